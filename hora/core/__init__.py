@@ -1,0 +1,1 @@
+"""The engine: queue -> negotiate -> fuse -> execute -> complete handles. Framework-free."""

@@ -1,0 +1,94 @@
+"""Typed errors for hora, with Horovod's names as aliases.
+
+Bottom layer: imports nothing from ``hora``. Every message says what went wrong, where
+(rank, host, tensor) and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class HoraError(Exception):
+    """Root of every error hora raises on purpose."""
+
+
+class NotInitializedError(HoraError, ValueError):
+    """An op or query was used before ``init()`` (Horovod raises ``ValueError`` here)."""
+
+    def __init__(self, what: str = "") -> None:
+        prefix = f"{what}: " if what else ""
+        super().__init__(
+            f"{prefix}Horovod has not been initialized; use hvd.init(). "
+            "(hora: call hora.init() / hvd.init() first, once per process.)"
+        )
+
+
+class ConfigError(HoraError, ValueError):
+    """A configuration knob (env var, CLI flag) has an unknown or malformed value."""
+
+
+class HoraInternalError(HoraError, RuntimeError):
+    """A collective failed: a peer died, ranks disagreed, or hora was shut down.
+
+    Horovod's ``HorovodInternalError``; elastic training treats it as recoverable.
+    """
+
+
+HorovodInternalError = HoraInternalError
+
+
+class MismatchError(HoraInternalError):
+    """Ranks submitted the same tensor name with different dtype/shape/op/root/scale."""
+
+
+class PeerLostError(HoraInternalError):
+    """A peer rank closed its connection or stopped answering."""
+
+
+class HoraTimeoutError(HoraInternalError, TimeoutError):
+    """A wait passed its deadline."""
+
+
+class TransportError(HoraInternalError):
+    """A transport could not connect, authenticate or move bytes."""
+
+
+class AuthenticationError(TransportError):
+    """A connection did not prove knowledge of the job secret."""
+
+
+class RendezvousError(HoraError, RuntimeError):
+    """Ranks could not find each other (store unreachable, timeout, bad environment)."""
+
+
+class RendezvousTimeoutError(RendezvousError, TimeoutError):
+    """The rendezvous did not complete before its deadline."""
+
+
+class ShutdownError(HoraInternalError):
+    """The engine was shut down while the op was pending."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Elastic: the set of hosts changed; Horovod's exception of the same name."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("hosts updated")
+        self.skip_sync = skip_sync
+
+
+__all__ = [
+    "AuthenticationError",
+    "ConfigError",
+    "HoraError",
+    "HoraInternalError",
+    "HoraTimeoutError",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "MismatchError",
+    "NotInitializedError",
+    "PeerLostError",
+    "RendezvousError",
+    "RendezvousTimeoutError",
+    "ShutdownError",
+    "TransportError",
+]

@@ -1,0 +1,1 @@
+"""The ``hora`` command line: run, check. Imports only base layers and rendezvous."""
