@@ -41,7 +41,15 @@ class MismatchError(HoraInternalError):
 
 
 class PeerLostError(HoraInternalError):
-    """A peer rank closed its connection or stopped answering."""
+    """A peer rank closed its connection or stopped answering.
+
+    ``peer`` is the lost peer's global rank when known. A transport raises this once per lost
+    control connection and then stops watching that connection.
+    """
+
+    def __init__(self, message: str, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
 
 
 class HoraTimeoutError(HoraInternalError, TimeoutError):

@@ -1,0 +1,344 @@
+"""The collective API on numpy arrays: what every framework adapter calls.
+
+Every function here enqueues one named op on the engine and returns a
+:class:`~hora.core.handle.Handle`; the synchronous forms in :mod:`hora` are ``submit(...).wait()``.
+
+Contract shared by every collective:
+
+* all members of the process set must submit the op with the same ``name`` (automatic names
+  ``<op>.noname.<n>`` match only if every rank issues its unnamed ops in the same order);
+* dtype, and the shape rules of each op, must agree across ranks, otherwise the handle fails on
+  every rank with :class:`~hora.errors.MismatchError` naming the field, the values and the ranks;
+* inputs may be non-contiguous (a contiguous copy is made); in-place forms write the result back
+  into the caller's array;
+* argument errors (unknown dtype, bad splits, not a member of the set, duplicate in-flight name)
+  are raised at submit time as ``TypeError`` / ``ValueError``;
+* a lost peer or a shutdown fails the handle with :class:`~hora.errors.HoraInternalError`.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from hora.collectives.ops import ReduceOp, check_dtype
+from hora.core import context
+from hora.core.executor import Entry
+from hora.core.handle import Handle
+from hora.core.messages import OpKind, Request
+from hora.core.process_set import ProcessSet, global_process_set
+
+try:
+    import cloudpickle as _pickler
+except ImportError:  # pragma: no cover - cloudpickle is optional
+    _pickler = pickle  # type: ignore[assignment]
+
+
+def resolve_op(op: int | None, average: bool | None) -> ReduceOp:
+    """Horovod's ``op`` / deprecated ``average`` arguments -> a :class:`ReduceOp`.
+
+    Raises:
+        ValueError: both given.
+    """
+    if average is not None:
+        if op is not None:
+            raise ValueError("The op parameter supersedes average. Please provide only one of "
+                             "them.")
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed",
+                      DeprecationWarning, stacklevel=3)
+        return ReduceOp.Average if average else ReduceOp.Sum
+    return ReduceOp.Average if op is None else ReduceOp(op)
+
+
+def _set_ranks(ctx: context.Context, process_set: ProcessSet) -> tuple[int, list[int]]:
+    set_id = process_set.process_set_id
+    ranks = None if set_id is None else ctx.engine.registry.ranks(set_id)
+    if set_id is None or ranks is None:
+        raise ValueError("Process set provided does not exist, or has not been registered.")
+    if ctx.rank not in ranks:
+        raise ValueError(f"Rank {ctx.rank} is not a member of the provided process set "
+                         f"{ranks}.")
+    return set_id, ranks
+
+
+def _full_name(ctx: context.Context, prefix: str, name: str | None) -> str:
+    return f"{prefix}.{name}" if name else f"{prefix}.noname.{ctx.next_id()}"
+
+
+def _contiguous(tensor: Any, what: str) -> np.ndarray:
+    arr = np.asarray(tensor)
+    check_dtype(arr.dtype, what)
+    return np.ascontiguousarray(arr)
+
+
+def _submit(ctx: context.Context, request: Request, tensor: np.ndarray,
+            output: np.ndarray | None, finish: Callable[[Any], Any] | None = None) -> Handle:
+    handle = Handle(request.name)
+    ctx.engine.submit(Entry(request=request, tensor=tensor, output=output, handle=handle,
+                            finish=finish))
+    return handle
+
+
+def _writeback(target: np.ndarray, work: np.ndarray) -> Callable[[Any], Any] | None:
+    """When ``work`` is a contiguous copy of a non-contiguous in-place target, copy back."""
+    if work is target:
+        return None
+
+    def finish(result: Any) -> Any:
+        np.copyto(target, result)
+        return target
+
+    return finish
+
+
+def allreduce_async(tensor: Any, *, name: str | None = None, op: int = ReduceOp.Average,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set,
+                    inplace: bool = False, output: np.ndarray | None = None,
+                    prefix: str = "allreduce") -> Handle:
+    """Reduce ``tensor`` element-wise across the set: ``postscale * op(prescale * x_i)``.
+
+    Average divides the Sum by the set size (integer dtypes truncate toward zero, as Horovod).
+    Resolves to the result array (``tensor`` itself when ``inplace``; ``output`` when given).
+    """
+    ctx = context.get("allreduce")
+    op = ReduceOp(op)
+    if op is ReduceOp.Adasum:
+        raise NotImplementedError("Adasum is not implemented in hora yet; use op=Average or Sum")
+    set_id, _ = _set_ranks(ctx, process_set)
+    original = tensor
+    work = _contiguous(tensor, "allreduce input")
+    finish = None
+    if inplace:
+        if not isinstance(original, np.ndarray):
+            raise TypeError("in-place allreduce needs a numpy array")
+        out = work
+        finish = _writeback(original, work)
+    else:
+        out = output if output is not None else np.empty_like(work)
+    req = Request(name=_full_name(ctx, prefix, name), kind=OpKind.ALLREDUCE, rank=ctx.rank,
+                  set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape),
+                  op=int(op), prescale=float(prescale_factor), postscale=float(postscale_factor))
+    return _submit(ctx, req, work, out, finish)
+
+
+def grouped_allreduce_async(tensors: Sequence[Any], *, name: str | None = None,
+                            op: int = ReduceOp.Average, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set,
+                            inplace: bool = False) -> Handle:
+    """Allreduce a list of tensors as one group; resolves to the list of results."""
+    ctx = context.get("grouped_allreduce")
+    base = name or f"noname.{ctx.next_id()}"
+    n = len(tensors)
+    members = [allreduce_async(t, name=f"{base}_{i + 1}of{n}", op=op,
+                               prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                               process_set=process_set, inplace=inplace,
+                               prefix="grouped_allreduce") for i, t in enumerate(tensors)]
+    return _join_handles(f"grouped_allreduce.{base}", members)
+
+
+def _join_handles(name: str, members: list[Handle]) -> Handle:
+    group = Handle(name)
+    if not members:
+        group.set_result([])
+        return group
+    remaining = [len(members)]
+
+    def one_done(_h: Handle) -> None:
+        remaining[0] -= 1
+        if remaining[0] == 0:
+            try:
+                group.set_result([m.wait(0) for m in members])
+            except BaseException as exc:  # noqa: BLE001 - propagate the first failure
+                group.set_error(exc)
+
+    for m in members:
+        m.add_done_callback(one_done)
+    return group
+
+
+def allgather_async(tensor: Any, *, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Concatenate every rank's tensor along dimension 0, in rank order within the set.
+
+    First dimensions may differ across ranks; the other dimensions must agree.
+    """
+    ctx = context.get("allgather")
+    set_id, _ = _set_ranks(ctx, process_set)
+    work = _contiguous(tensor, "allgather input")
+    req = Request(name=_full_name(ctx, "allgather", name), kind=OpKind.ALLGATHER, rank=ctx.rank,
+                  set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape))
+    return _submit(ctx, req, work, None)
+
+
+def broadcast_async(tensor: Any, root_rank: int, *, name: str | None = None,
+                    process_set: ProcessSet = global_process_set,
+                    inplace: bool = False) -> Handle:
+    """Copy ``root_rank``'s tensor (a global rank, member of the set) to every member."""
+    ctx = context.get("broadcast")
+    set_id, ranks = _set_ranks(ctx, process_set)
+    if root_rank not in ranks:
+        raise ValueError(f"broadcast received invalid root rank {root_rank}: process set has "
+                         f"ranks {ranks}")
+    original = tensor
+    work = _contiguous(tensor, "broadcast input")
+    finish = _writeback(original, work) if inplace and isinstance(original, np.ndarray) else None
+    out = work if inplace else np.empty_like(work)
+    req = Request(name=_full_name(ctx, "broadcast", name), kind=OpKind.BROADCAST, rank=ctx.rank,
+                  set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape),
+                  root=int(root_rank))
+    return _submit(ctx, req, work, out, finish)
+
+
+def alltoall_async(tensor: Any, splits: Sequence[int] | None = None, *, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> Handle:
+    """Send ``splits[j]`` rows (dimension 0) to rank ``j``; resolves to
+    ``(received, received_splits)``. Without ``splits`` the rows are divided evenly (the first
+    dimension must then be divisible by the set size)."""
+    ctx = context.get("alltoall")
+    set_id, ranks = _set_ranks(ctx, process_set)
+    work = _contiguous(tensor, "alltoall input")
+    if work.ndim == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension")
+    n = len(ranks)
+    if splits is None:
+        if work.shape[0] % n:
+            raise ValueError(f"alltoall without splits needs the first dimension "
+                             f"({work.shape[0]}) to be divisible by the number of ranks ({n})")
+        split_list = [work.shape[0] // n] * n
+    else:
+        split_list = [int(s) for s in np.asarray(splits).reshape(-1)]
+        if len(split_list) != n or any(s < 0 for s in split_list):
+            raise ValueError(f"alltoall splits must have one non-negative entry per rank ({n}), "
+                             f"got {split_list}")
+        if sum(split_list) != work.shape[0]:
+            raise ValueError(f"alltoall splits sum to {sum(split_list)} but the first dimension "
+                             f"is {work.shape[0]}")
+    req = Request(name=_full_name(ctx, "alltoall", name), kind=OpKind.ALLTOALL, rank=ctx.rank,
+                  set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape),
+                  splits=split_list)
+    return _submit(ctx, req, work, None)
+
+
+def reducescatter_async(tensor: Any, *, name: str | None = None, op: int = ReduceOp.Average,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        process_set: ProcessSet = global_process_set) -> Handle:
+    """Reduce across the set, then give rank ``i`` its share of dimension 0 (the first
+    ``dim0 % size`` ranks get one extra row). Ops: Sum and Average."""
+    ctx = context.get("reducescatter")
+    set_id, _ = _set_ranks(ctx, process_set)
+    op = ReduceOp(op)
+    if op not in (ReduceOp.Sum, ReduceOp.Average):
+        raise ValueError("Reducescatter currently only supports AVERAGE and SUM.")
+    work = _contiguous(tensor, "reducescatter input")
+    if work.ndim == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension, not a "
+                         "scalar")
+    req = Request(name=_full_name(ctx, "reducescatter", name), kind=OpKind.REDUCESCATTER,
+                  rank=ctx.rank, set_id=set_id, dtype=check_dtype(work.dtype),
+                  shape=list(work.shape), op=int(op), prescale=float(prescale_factor),
+                  postscale=float(postscale_factor))
+    return _submit(ctx, req, work, None)
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every member of the set has called ``barrier``."""
+    ctx = context.get("barrier")
+    set_id, _ = _set_ranks(ctx, process_set)
+    req = Request(name=f"barrier.{ctx.next_id()}", kind=OpKind.BARRIER, rank=ctx.rank,
+                  set_id=set_id)
+    _submit(ctx, req, np.empty(0, np.uint8), None).wait()
+
+
+def join(process_set: ProcessSet = global_process_set) -> int:
+    """Mark this rank as out of data; returns the last rank to join once all have.
+
+    While joined, this rank contributes zeros to other ranks' allreduces (Average keeps the full
+    divisor); other collectives fail while any rank is joined.
+    """
+    ctx = context.get("join")
+    set_id, _ = _set_ranks(ctx, process_set)
+    req = Request(name="join", kind=OpKind.JOIN, rank=ctx.rank, set_id=set_id)
+    return int(_submit(ctx, req, np.empty(0, np.uint8), None).wait())
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a new process set on every rank (collective: all ranks call it in order).
+
+    Raises:
+        ValueError: dynamic process sets are off, or the set already exists.
+    """
+    ctx = context.get("add_process_set")
+    if not context.dynamic_process_sets():
+        raise ValueError("add_process_set needs dynamic process sets: set "
+                         "HOROVOD_DYNAMIC_PROCESS_SETS=1 or call init(process_sets='dynamic').")
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps.mpi_comm is not None:
+        raise NotImplementedError("process sets from MPI communicators cannot be added")
+    bad = [r for r in ps.ranks if not 0 <= r < ctx.size]
+    if bad or not ps.ranks:
+        raise ValueError(f"process set ranks {ps.ranks} must be non-empty and within "
+                         f"0..{ctx.size - 1}")
+    if ctx.engine.registry.find(ps.ranks) is not None:
+        raise ValueError(f"Attempted to add a duplicate process set: {ps.ranks}")
+    req = Request(name=f"add_process_set.{ps.ranks}", kind=OpKind.ADD_PROCESS_SET,
+                  rank=ctx.rank, set_id=0, ranks=list(ps.ranks))
+    ps.process_set_id = int(_submit(ctx, req, np.empty(0, np.uint8), None).wait())
+    return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a set on every rank (collective). False for the global or an unknown set."""
+    ctx = context.get("remove_process_set")
+    set_id = process_set.process_set_id
+    if set_id in (None, 0) or ctx.engine.registry.ranks(set_id) is None:
+        return False
+    req = Request(name=f"remove_process_set.{set_id}", kind=OpKind.REMOVE_PROCESS_SET,
+                  rank=ctx.rank, set_id=0, root=set_id)
+    _submit(ctx, req, np.empty(0, np.uint8), None).wait()
+    process_set.process_set_id = None
+    return True
+
+
+# ---- object collectives --------------------------------------------------------------------
+def broadcast_object(obj: Any, root_rank: int = 0, *, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Pickle ``obj`` on ``root_rank`` and return a copy of it on every member of the set."""
+    ctx = context.get("broadcast_object")
+    base = name or f"noname.{ctx.next_id()}"
+    payload = np.frombuffer(_dumps(obj), np.uint8) if ctx.rank == root_rank else None
+    size = np.array([0 if payload is None else payload.size], dtype=np.int64)
+    size = broadcast_async(size, root_rank, name=f"broadcast_object.{base}.size",
+                           process_set=process_set).wait()
+    buf = payload if payload is not None else np.empty(int(size[0]), np.uint8)
+    data = broadcast_async(buf, root_rank, name=f"broadcast_object.{base}.data",
+                           process_set=process_set).wait()
+    return obj if ctx.rank == root_rank else pickle.loads(data.tobytes())
+
+
+def allgather_object(obj: Any, *, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Pickle ``obj`` on every rank; return the list of all ranks' objects in rank order."""
+    ctx = context.get("allgather_object")
+    base = name or f"noname.{ctx.next_id()}"
+    payload = np.frombuffer(_dumps(obj), np.uint8)
+    sizes = allgather_async(np.array([payload.size], np.int64),
+                            name=f"allgather_object.{base}.size", process_set=process_set).wait()
+    data = allgather_async(payload, name=f"allgather_object.{base}.data",
+                           process_set=process_set).wait()
+    out, offset = [], 0
+    for n in sizes.tolist():
+        out.append(pickle.loads(data[offset:offset + n].tobytes()))
+        offset += n
+    return out
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    _pickler.dump(obj, buf)
+    return buf.getvalue()

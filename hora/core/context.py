@@ -1,0 +1,254 @@
+"""Process-wide runtime state: ``init`` -> (ops) -> ``shutdown``, repeatable in one process.
+
+``init`` reads the launcher's environment (``hora run``, mpirun, Slurm, torchrun, or nothing for
+a single process), meets the other ranks at the rendezvous store, connects the transport, checks
+that every rank registered the same process sets, and starts the engine. Topology queries
+(``rank()``, ``local_size()``, ...) read the frozen :class:`Context`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import hora.config as config_mod
+from hora._util import log as hlog
+from hora.config import Config
+from hora.core.engine import Engine
+from hora.core.handle import HandleTable
+from hora.core.process_set import ProcessSet, Registry, global_process_set
+from hora.errors import NotInitializedError, RendezvousError
+from hora.rendezvous.topology import compute_topology
+from hora.transports.base import Transport
+
+log = hlog.get_logger(__name__)
+
+
+@dataclass
+class Context:
+    """Everything ``init`` established for this process."""
+
+    config: Config
+    engine: Engine
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    hostname: str
+    launcher: str
+    hostnames: list[str]
+    handles: HandleTable = field(default_factory=HandleTable)
+    closers: list[Any] = field(default_factory=list)
+    _counter: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def next_id(self) -> int:
+        """A per-process counter for automatic op names (same order on every rank)."""
+        with self._lock:
+            self._counter += 1
+            return self._counter
+
+
+_ctx: Context | None = None
+_lock = threading.RLock()
+_generation = 0
+_atexit_registered = False
+_dynamic = False
+
+
+def get(what: str = "") -> Context:
+    """The live context, or :class:`~hora.errors.NotInitializedError`."""
+    ctx = _ctx
+    if ctx is None:
+        raise NotInitializedError(what)
+    return ctx
+
+
+def is_initialized() -> bool:
+    """True between ``init()`` and ``shutdown()``."""
+    return _ctx is not None
+
+
+def dynamic_process_sets() -> bool:
+    return _dynamic
+
+
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = None) -> None:
+    """Join the job: rendezvous, connect, start the engine. A no-op when already initialized.
+
+    Args:
+        comm: None (every rank of the launcher's job). A list of ranks or an mpi4py communicator
+            is Horovod's MPI-only form; hora raises ValueError for those (see the message).
+        process_sets: ProcessSet objects to register on every rank (the same list everywhere),
+            or ``"dynamic"`` to allow :func:`add_process_set` later.
+
+    Raises:
+        ValueError: bad arguments, or process sets that differ across ranks.
+        RendezvousError: the other ranks could not be reached before the start timeout.
+        ConfigError: a malformed ``HORA_*`` / ``HOROVOD_*`` setting.
+    """
+    global _ctx, _generation, _atexit_registered, _dynamic
+    with _lock:
+        if _ctx is not None:
+            return
+        if comm is not None:
+            raise ValueError(
+                "Invalid type of argument comm: hora does not take an MPI communicator or rank "
+                "list; launch with `hora run`, mpirun, srun or torchrun and call init() with no "
+                "comm (process sets give you sub-groups)."
+            )
+        sets, dynamic = _parse_process_sets(process_sets)
+        config = config_mod.load()
+        dynamic = dynamic or config.dynamic_process_sets
+        hlog.configure(config.log_level, config.log_hide_time)
+        from hora.rendezvous.env import bootstrap, detect
+
+        info = detect()
+        hlog.set_rank(info.rank, info.size)
+        _generation += 1
+        closers: list[Any] = []
+        transport: Transport
+        if info.size == 1 and info.launcher == "single":
+            from hora.transports.loopback import make_world
+
+            transport = make_world(1, timeout=config.timeout_seconds)[0]
+            hostnames = [info.hostname]
+        else:
+            store, server = bootstrap(info, timeout=config.start_timeout)
+            closers.extend(c for c in (store, server) if c is not None)
+            if store is None:
+                raise RendezvousError("no rendezvous store for a multi-rank job")
+            from hora.transports.tcp import TcpTransport
+
+            try:
+                transport = TcpTransport.create(
+                    info.rank, info.size, store, scope=f"hora.init.{_generation}",
+                    secret=info.secret, bind_host=_bind_host(info.store_host, config),
+                    hostname=info.hostname, timeout=config.start_timeout)
+            except BaseException:
+                for c in closers:
+                    c.close()
+                raise
+            hostnames = list(transport.hostnames)
+            _check_process_sets(store, f"hora.init.{_generation}", info.rank, info.size, sets,
+                                dynamic, transport, closers)
+        slot = compute_topology(hostnames)[info.rank]
+
+        def pick(value: int | None, computed: int) -> int:
+            return computed if value is None else value
+
+        registry = Registry(info.size)
+        for ps in sets:
+            ps.process_set_id = registry.register(ps.ranks)
+        global_process_set.ranks = list(range(info.size))
+        global_process_set.process_set_id = 0
+        engine = Engine(transport, config, registry)
+        _ctx = Context(
+            config=config, engine=engine, rank=info.rank, size=info.size,
+            local_rank=pick(info.local_rank, slot.local_rank),
+            local_size=pick(info.local_size, slot.local_size),
+            cross_rank=pick(info.cross_rank, slot.cross_rank),
+            cross_size=pick(info.cross_size, slot.cross_size),
+            hostname=info.hostname, launcher=info.launcher, hostnames=hostnames,
+            closers=closers,
+        )
+        _dynamic = dynamic
+        if dynamic:
+            os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+        engine.start()
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+        log.debug("initialized: rank %d of %d on %s (launcher %s)", info.rank, info.size,
+                  info.hostname, info.launcher)
+
+
+def shutdown() -> None:
+    """Stop the engine and close connections. Pending ops fail; safe when not initialized."""
+    global _ctx
+    with _lock:
+        ctx, _ctx = _ctx, None
+        if ctx is None:
+            return
+        try:
+            ctx.engine.stop()
+        finally:
+            ctx.handles.clear()
+            for closer in ctx.closers:
+                try:
+                    closer.close()
+                except Exception:  # noqa: BLE001 - best effort on the way out
+                    log.debug("error while closing %r", closer, exc_info=True)
+            global_process_set.ranks = []
+            hlog.set_rank(None, None)
+
+
+def _parse_process_sets(
+    process_sets: Sequence[ProcessSet] | str | None,
+) -> tuple[list[ProcessSet], bool]:
+    if process_sets is None:
+        return [], False
+    if isinstance(process_sets, str):
+        if process_sets.lower() != "dynamic":
+            raise ValueError(f"process_sets must be a list of ProcessSet or 'dynamic', "
+                             f"got {process_sets!r}")
+        return [], True
+    sets = list(process_sets)
+    seen: dict[tuple[int, ...], int] = {}
+    for i, ps in enumerate(sets):
+        if not isinstance(ps, ProcessSet):
+            raise ValueError(f"process_sets[{i}] is {type(ps).__name__}, not a ProcessSet")
+        if ps.mpi_comm is not None:
+            raise NotImplementedError("process sets built from MPI communicators need an MPI "
+                                      "communicator as init(comm=...), which hora does not use")
+        key = tuple(ps.ranks)
+        if key in seen:
+            ps.process_set_id = None
+            raise ValueError(f"Duplicate process set at index {i}: {list(key)} is the same as "
+                             f"index {seen[key]}.")
+        seen[key] = i
+    return sets, False
+
+
+def _check_process_sets(store: Any, scope: str, rank: int, size: int, sets: list[ProcessSet],
+                        dynamic: bool, transport: Transport, closers: list[Any]) -> None:
+    """Every rank must register the same process sets: compare through the store."""
+    mine = json.dumps({"sets": [ps.ranks for ps in sets], "dynamic": dynamic})
+    store.set(scope + ".sets", str(rank), mine.encode())
+    for peer in range(size):
+        theirs = store.get(scope + ".sets", str(peer)).decode()
+        if theirs != mine:
+            transport.close()
+            for c in closers:
+                c.close()
+            raise ValueError(
+                "Horovod initialization failed: different ranks tried to set up mismatching "
+                f"process sets: rank {rank} passed {mine}, rank {peer} passed {theirs}. HINT: "
+                "pass the same process_sets= list (including sets this rank is not in) on every "
+                "rank."
+            )
+
+
+def _bind_host(store_host: str, config: Config) -> str:
+    """The address this rank's transport listens on."""
+    if config.gloo_iface:
+        from hora._util.net import interface_address
+
+        return interface_address(config.gloo_iface)
+    if store_host in ("127.0.0.1", "localhost", "::1", ""):
+        return "127.0.0.1"
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:  # the source address of the route to the store is reachable by every rank
+        probe.connect((store_host, 9))
+        return str(probe.getsockname()[0])
+    except OSError:
+        return "0.0.0.0"
+    finally:
+        probe.close()

@@ -1,0 +1,306 @@
+"""Negotiation on the coordinator (global rank 0): which named ops are ready everywhere.
+
+Every rank sends its :class:`~hora.core.messages.Request` objects to rank 0. The coordinator
+keeps a table name -> requests; a name is *ready* when every member of its process set has
+submitted it (or has joined). Ready requests are validated (dtype, shape, op, root, scale factors
+must agree; otherwise one ERROR response with the same text for every rank), turned into
+:class:`~hora.core.messages.Response` objects, and small allreduces are fused up to the fusion
+threshold. One coordinator serves every process set, so all ranks see responses in one total
+order and can never execute two sets' collectives in different orders.
+
+The stall inspector lives here too: it names tensors that some ranks submitted and others did not.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from hora._util.log import get_logger
+from hora.collectives.ops import ReduceOp, to_dtype
+from hora.config import Config
+from hora.core.messages import OpKind, Request, Response
+from hora.core.process_set import Registry
+
+log = get_logger(__name__)
+
+_FUSABLE = (OpKind.ALLREDUCE,)
+_JOIN_UNSUPPORTED = {
+    OpKind.ALLGATHER: "Allgather", OpKind.BROADCAST: "Broadcast",
+    OpKind.ALLTOALL: "Alltoall", OpKind.REDUCESCATTER: "Reducescatter",
+}
+
+
+@dataclass
+class _Pending:
+    requests: dict[int, Request] = field(default_factory=dict)
+    first_seen: float = 0.0
+    warned_at: float = 0.0
+
+
+class Coordinator:
+    """Rank 0's negotiation state for every process set."""
+
+    def __init__(self, registry: Registry, config: Config) -> None:
+        self._registry = registry
+        self._config = config
+        self._table: dict[tuple[int, str], _Pending] = {}
+        self._order: list[tuple[int, str]] = []
+        self._joined: dict[int, list[int]] = {}
+        self._departed: dict[int, str] = {}
+        self._out: list[Response] = []
+
+    # ---- input -------------------------------------------------------------------------------
+    def add(self, requests: list[Request]) -> None:
+        """Record requests from one rank."""
+        now = time.monotonic()
+        for req in requests:
+            members = self._registry.ranks(req.set_id)
+            if members is None:
+                self._out.append(_error(req, f"Process set {req.set_id} provided does not exist, "
+                                             "or has not been registered."))
+                continue
+            if req.kind is OpKind.JOIN:
+                self._join(req, members)
+                continue
+            key = (req.set_id, req.name)
+            entry = self._table.get(key)
+            if entry is None:
+                entry = self._table[key] = _Pending(first_seen=now)
+                self._order.append(key)
+            entry.requests[req.rank] = req
+            gone = [r for r in members if r in self._departed]
+            if gone:
+                del self._table[key]
+                self._order.remove(key)
+                why = "; ".join(f"rank {r}: {self._departed[r]}" for r in gone)
+                self._out.append(_error(req, f"Horovod has been shut down: op '{req.name}' needs "
+                                             f"ranks that already shut down ({why})."))
+
+    def depart(self, rank: int, reason: str) -> None:
+        """A rank shut down cleanly: ops that need it can never complete."""
+        self._departed[rank] = reason
+        for key in list(self._order):
+            set_id, name = key
+            members = self._registry.ranks(set_id) or []
+            if rank in members:
+                entry = self._table.pop(key)
+                self._order.remove(key)
+                any_req = next(iter(entry.requests.values()))
+                self._out.append(_error(any_req, f"Horovod has been shut down: rank {rank} shut "
+                                                 f"down ({reason}) before submitting '{name}'."))
+
+    def _join(self, req: Request, members: list[int]) -> None:
+        joined = self._joined.setdefault(req.set_id, [])
+        if req.rank not in joined:
+            joined.append(req.rank)
+        if set(joined) >= set(members):
+            self._joined[req.set_id] = []
+            self._out.append(Response(kind=OpKind.JOIN, names=[req.name], set_id=req.set_id,
+                                      value=req.rank))
+
+    # ---- output ------------------------------------------------------------------------------
+    def ready(self) -> list[Response]:
+        """Pop every response that can run now, fused, in execution order."""
+        out, self._out = self._out, []
+        # JOIN responses must come after the ops that completed because of the join.
+        joins = [r for r in out if r.kind is OpKind.JOIN]
+        out = [r for r in out if r.kind is not OpKind.JOIN]
+        for key in list(self._order):
+            set_id, name = key
+            entry = self._table[key]
+            members = self._registry.ranks(set_id)
+            if members is None:
+                continue
+            joined = set(self._joined.get(set_id, ())) - set(entry.requests)
+            if set(entry.requests) | joined < set(members):
+                continue
+            del self._table[key]
+            self._order.remove(key)
+            out.append(self._respond(name, set_id, members, entry, sorted(joined)))
+        # A join completing may only be announced once no tensor waits on the joined ranks.
+        return _fuse(out, self._config) + joins
+
+    def _respond(self, name: str, set_id: int, members: list[int], entry: _Pending,
+                 joined: list[int]) -> Response:
+        reqs = [entry.requests[r] for r in members if r in entry.requests]
+        first = reqs[0]
+        problem = _validate(name, reqs)
+        if problem:
+            return _error(first, problem)
+        if joined and first.kind in _JOIN_UNSUPPORTED:
+            return _error(first, f"{_JOIN_UNSUPPORTED[first.kind]} is not supported with Join "
+                                 f"at this time (ranks {joined} have joined; op '{name}').")
+        resp = Response(kind=first.kind, names=[name], set_id=set_id, dtype=first.dtype,
+                        op=first.op, root=first.root, prescale=first.prescale,
+                        postscale=first.postscale, shapes=[list(first.shape)], joined=joined)
+        if first.kind is OpKind.BROADCAST and first.root not in members:
+            return _error(first, f"broadcast received invalid root rank {first.root} for "
+                                 f"'{name}': it is not a member of process set {set_id} "
+                                 f"{members}.")
+        if first.kind is OpKind.ALLGATHER:
+            resp.first_dims = [[entry.requests[r].shape[0] for r in members]]
+        elif first.kind is OpKind.ALLTOALL:
+            resp.splits = [[list(entry.requests[r].splits or []) for r in members]]
+        elif first.kind is OpKind.ADD_PROCESS_SET:
+            ranks = sorted(first.ranks or [])
+            if self._registry.find(ranks) is not None:
+                return _error(first, f"Attempted to add a duplicate process set: {ranks} is "
+                                     "already registered.")
+            resp.value = self._registry.register(ranks)
+            resp.ranks = ranks
+        elif first.kind is OpKind.REMOVE_PROCESS_SET:
+            resp.value = first.root
+        return resp
+
+    # ---- stall inspector -----------------------------------------------------------------------
+    def check_stalls(self, now: float | None = None) -> list[Response]:
+        """Warn about tensors waiting for some ranks; fail them past the shutdown time."""
+        cfg = self._config
+        if cfg.stall_check_disable:
+            return []
+        now = time.monotonic() if now is None else now
+        warn_after, fail_after = cfg.stall_check_time_seconds, cfg.stall_shutdown_time_seconds
+        missing_by_rank: dict[int, list[str]] = {}
+        failed: list[Response] = []
+        for key in list(self._order):
+            set_id, name = key
+            entry = self._table[key]
+            age = now - entry.first_seen
+            if age < warn_after or now - entry.warned_at < warn_after:
+                continue
+            members = self._registry.ranks(set_id) or []
+            missing = [r for r in members if r not in entry.requests
+                       and r not in self._joined.get(set_id, ())]
+            if fail_after > 0 and age >= fail_after:
+                del self._table[key]
+                self._order.remove(key)
+                failed.append(_error(next(iter(entry.requests.values())),
+                                     f"Stalled for {age:.0f} s: tensor '{name}' was submitted by "
+                                     f"ranks {sorted(entry.requests)} but never by ranks {missing}"
+                                     f" (HORA_STALL_SHUTDOWN_TIME_SECONDS={fail_after:g})."))
+                continue
+            entry.warned_at = now
+            for r in missing:
+                missing_by_rank.setdefault(r, []).append(name)
+        if missing_by_rank:
+            lines = "\n".join(f"{r}: [{', '.join(names[:6])}{', ...' if len(names) > 6 else ''}]"
+                              for r, names in sorted(missing_by_rank.items()))
+            log.warning(
+                "One or more tensors were submitted to be reduced, gathered or broadcasted by "
+                "subset of ranks and are waiting for remainder of ranks for more than %g "
+                "seconds. This may indicate that different ranks are trying to submit different "
+                "tensors or that only subset of ranks is submitting tensors, which will cause "
+                "deadlock.\nMissing ranks:\n%s", warn_after, lines)
+        return failed
+
+    def pending_names(self) -> list[str]:
+        return [name for _, name in self._order]
+
+
+def _error(req: Request, message: str) -> Response:
+    return Response(kind=OpKind.ERROR, names=[req.name], set_id=req.set_id, error=message)
+
+
+def _fmt(value: object) -> str:
+    return str(list(value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def _validate(name: str, reqs: list[Request]) -> str:
+    """Return a mismatch message (identical on every rank) or '' if all requests agree."""
+    first = reqs[0]
+    kind = first.kind.value
+
+    def differ(field_name: str, label: str, horovod: str, hint: str) -> str:
+        groups: dict[str, list[int]] = {}
+        for r in reqs:
+            groups.setdefault(_fmt(getattr(r, field_name)), []).append(r.rank)
+        if len(groups) < 2:
+            return ""
+        values = list(groups)
+        detail = "; ".join(f"ranks {ranks} had {val}" for val, ranks in groups.items())
+        return (f"{horovod.format(a=values[0], b=values[1])} Mismatched {label} for tensor "
+                f"'{name}': {detail}. HINT: {hint}")
+
+    checks = [
+        ("kind", "operation", "Mismatched operations: One rank did an {a}, but another rank did "
+         "an {b}.", "every rank must run the same collective under the same name."),
+        ("dtype", "data type", "Mismatched data types: One rank had type {a}, but another rank "
+         "had type {b}.", "cast the tensor to the same dtype on every rank."),
+        ("device", "device", f"Mismatched {kind} CPU/GPU device selection: One rank used {{a}}, "
+         "another {b}.", "put the tensor on the same kind of device on every rank."),
+    ]
+    if first.kind in (OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.REDUCESCATTER):
+        checks.append(("shape", "shape", f"Mismatched {kind} tensor shapes: One rank sent a tensor "
+                       "of shape {a}, but another rank sent a tensor of shape {b}.",
+                       "every rank must pass a tensor of the same shape."))
+    if first.kind in (OpKind.ALLREDUCE, OpKind.REDUCESCATTER):
+        checks.append(("op", "reduction operation", "Mismatched reduction operation: One rank "
+                       "used op {a}, but another rank used op {b}.",
+                       "pass the same op= on every rank (ops: "
+                       + ", ".join(f"{o.name}={o.value}" for o in ReduceOp) + ")."))
+        checks.append(("prescale", "prescale factor", "Mismatched prescale and/or postscale "
+                       "factors: {a} vs {b}.", "pass the same prescale_factor on every rank."))
+        checks.append(("postscale", "postscale factor", "Mismatched prescale and/or postscale "
+                       "factors: {a} vs {b}.", "pass the same postscale_factor on every rank."))
+    if first.kind is OpKind.BROADCAST:
+        checks.append(("root", "root rank", "Mismatched BROADCAST root ranks: One rank specified "
+                       "root rank {a}, but another rank specified root rank {b}.",
+                       "pass the same root_rank on every rank."))
+    for field_name, label, horovod, hint in checks:
+        msg = differ(field_name, label, horovod, hint)
+        if msg:
+            return msg
+    if first.kind in (OpKind.ALLGATHER, OpKind.ALLTOALL, OpKind.REDUCESCATTER):
+        if len(first.shape) == 0:
+            return (f"Process-set rank zero tried to {kind} a rank-zero tensor '{name}'. HINT: "
+                    "reshape scalars to shape [1].")
+    if first.kind in (OpKind.ALLGATHER, OpKind.ALLTOALL):
+        ndims = {len(r.shape) for r in reqs}
+        if len(ndims) > 1:
+            return differ("shape", "tensor rank (number of dimensions)",
+                          f"Mismatched {kind} tensor shapes: One rank sent a tensor of rank "
+                          f"{len(reqs[0].shape)}, but another rank sent a tensor of a different "
+                          "rank.", "every rank must pass tensors with the same number of "
+                          "dimensions.")
+        for dim in range(1, len(first.shape)):
+            sizes = {r.shape[dim] for r in reqs}
+            if len(sizes) > 1:
+                per = "; ".join(f"rank {r.rank} has {r.shape[dim]}" for r in reqs)
+                return (f"Mismatched {kind} tensor shapes: One rank sent a tensor with dimension "
+                        f"{dim} equal to {reqs[0].shape[dim]}, but another rank sent a tensor "
+                        f"with dimension {dim} equal to a different value, for tensor '{name}': "
+                        f"{per}. HINT: only the first dimension may differ across ranks.")
+    return ""
+
+
+def _fuse(responses: list[Response], config: Config) -> list[Response]:
+    """Merge allreduce responses that agree on set/dtype/op/scales, up to the fusion threshold."""
+    limit = config.fusion_threshold
+    if limit <= 0:
+        return responses
+    out: list[Response] = []
+    open_: dict[tuple[object, ...], tuple[Response, int]] = {}
+    for resp in responses:
+        if resp.kind not in _FUSABLE or resp.joined:
+            out.append(resp)
+            continue
+        nbytes = _nelems(resp.shapes[0]) * to_dtype(resp.dtype).itemsize
+        key = (resp.kind, resp.set_id, resp.dtype, resp.op, resp.prescale, resp.postscale)
+        current = open_.get(key)
+        if current is not None and current[1] + nbytes <= limit:
+            fused, size = current
+            fused.names.extend(resp.names)
+            fused.shapes.extend(resp.shapes)
+            open_[key] = (fused, size + nbytes)
+            continue
+        out.append(resp)
+        open_[key] = (resp, nbytes)
+    return out
+
+
+def _nelems(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,231 @@
+"""The background engine: one thread per process that negotiates and runs every collective.
+
+User threads call :meth:`Engine.submit`, which queues an :class:`~hora.core.executor.Entry` and
+wakes the thread. The thread's loop (event-driven; it sleeps in the transport's control wait, so
+an idle job burns no CPU):
+
+1. move newly submitted entries into the pending table and send their requests to rank 0
+   (rank 0 feeds its own requests straight to its :class:`~hora.core.coordinator.Coordinator`);
+2. receive control messages: on rank 0, requests from workers; on workers, ordered response
+   lists from rank 0;
+3. rank 0: collect ready (validated, fused) responses, send them to the workers, then execute;
+   workers: execute responses in the order received;
+4. periodically (rank 0) run the stall inspector.
+
+Failure is loud: if a peer is lost or a collective fails, every pending and future op on this
+rank fails with the cause, and rank 0 tells every other rank to do the same.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from hora._util.log import get_logger
+from hora.config import Config
+from hora.core.coordinator import Coordinator
+from hora.core.executor import Entry, Executor
+from hora.core.messages import (
+    MSG_ABORT, MSG_BYE, MSG_REQUESTS, MSG_RESPONSES, MSG_SHUTDOWN, OpKind, Request, Response,
+    decode, encode,
+)
+from hora.core.process_set import Registry
+from hora.errors import HoraError, HoraInternalError, PeerLostError, ShutdownError
+from hora.transports.base import Transport
+
+log = get_logger(__name__)
+
+_DUPLICATE = ("Requested to allreduce, allgather, or broadcast a tensor with the same name as "
+              "another tensor that is currently being processed.")
+
+
+class Engine:
+    """Owns the transport, the pending-op table and the background thread of one process."""
+
+    def __init__(self, transport: Transport, config: Config, registry: Registry) -> None:
+        self.transport = transport
+        self.config = config
+        self.registry = registry
+        self.rank = transport.rank
+        self.size = transport.size
+        self._queue: deque[Entry] = deque()
+        self._names: set[tuple[int, str]] = set()
+        self._names_lock = threading.Lock()
+        self._pending: dict[str, Entry] = {}  # background thread only
+        self._executor = Executor(transport.comm(), registry, config)
+        self._coordinator = Coordinator(registry, config) if self.rank == 0 else None
+        self._stop = threading.Event()
+        self._error: HoraInternalError | None = None
+        self._departed: set[int] = set()
+        self._thread = threading.Thread(target=self._run, name="hora-engine", daemon=True)
+
+    # ---- user side ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, entry: Entry) -> None:
+        """Queue an op. Raises ValueError for a duplicate in-flight name, or the engine's error."""
+        if self._error is not None:
+            raise type(self._error)(str(self._error))
+        if self._stop.is_set():
+            raise ShutdownError("Horovod has been shut down. This was caused by an exception on "
+                                "one of the ranks or an attempt to use an op after shutdown().")
+        key = (entry.request.set_id, entry.request.name)
+        with self._names_lock:
+            if key in self._names:
+                raise ValueError(f"{_DUPLICATE} (name: '{entry.request.name}'; give each "
+                                 "in-flight op a distinct name=)")
+            self._names.add(key)
+        entry.handle.add_done_callback(lambda _h: self._release(key))
+        self._queue.append(entry)
+        self.transport.wake()
+
+    def _release(self, key: tuple[int, str]) -> None:
+        with self._names_lock:
+            self._names.discard(key)
+
+    @property
+    def error(self) -> HoraInternalError | None:
+        return self._error
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread: pending ops fail with ShutdownError; tell the coordinator we left."""
+        self._stop.set()
+        self.transport.wake()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        self.transport.close()
+
+    # ---- background thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        check_every = max(0.5, min(5.0, self.config.stall_check_time_seconds / 4))
+        next_check = time.monotonic() + check_every
+        try:
+            while not self._stop.is_set():
+                self._take_submissions()
+                wait = None if self._coordinator is None else max(0.0, next_check - time.monotonic())
+                self._receive(wait)
+                if self._coordinator is not None:
+                    if time.monotonic() >= next_check:
+                        next_check = time.monotonic() + check_every
+                        self._dispatch(self._coordinator.check_stalls())
+                    self._dispatch(self._coordinator.ready())
+            self._say_goodbye()
+        except HoraError as exc:
+            self._abort(exc)
+        except Exception as exc:  # noqa: BLE001 - any bug must fail ops loudly, not hang them
+            log.exception("hora engine failed")
+            self._abort(HoraInternalError(f"hora engine failed: {exc!r}"))
+        finally:
+            self._fail_all(self._error or ShutdownError(
+                "Horovod has been shut down. This was caused by an exception on one of the "
+                "ranks or an attempt to use an op after shutdown()."))
+
+    def _take_submissions(self) -> None:
+        requests: list[Request] = []
+        while self._queue:
+            entry = self._queue.popleft()
+            self._pending[entry.request.name] = entry
+            requests.append(entry.request)
+        if not requests:
+            return
+        if self._coordinator is not None:
+            self._coordinator.add(requests)
+        else:
+            self.transport.send_control(0, encode(MSG_REQUESTS, reqs=requests))
+
+    def _receive(self, wait: float | None) -> None:
+        """Handle every control message available; block up to ``wait`` for the first."""
+        timeout = wait
+        if self._queue or self._stop.is_set():
+            timeout = 0.0
+        while True:
+            try:
+                msg = self.transport.recv_control(timeout)
+            except PeerLostError as exc:
+                if exc.peer is not None and exc.peer in self._departed:
+                    continue  # it said goodbye first: a clean exit
+                raise
+            if msg is None:
+                return
+            timeout = 0.0
+            sender, payload = msg
+            kind, body = decode(payload)
+            if kind == MSG_REQUESTS and self._coordinator is not None:
+                self._coordinator.add(body["reqs"])
+            elif kind == MSG_RESPONSES and self._coordinator is None:
+                self._execute(body["resps"])
+            elif kind == MSG_BYE and self._coordinator is not None:
+                self._departed.add(sender)
+                self._coordinator.depart(sender, "it called shutdown() or exited")
+            elif kind == MSG_SHUTDOWN:
+                self._error = ShutdownError(
+                    "Horovod has been shut down: rank 0 called shutdown() or exited; no more "
+                    "collectives can run in this job.")
+                self._stop.set()
+                return
+            elif kind == MSG_ABORT:
+                raise HoraInternalError(str(body.get("reason", "another rank failed")))
+            if self._stop.is_set():
+                return
+
+    def _dispatch(self, responses: list[Response]) -> None:
+        """Rank 0: send responses to the members that must run them, then run them here."""
+        if not responses:
+            return
+        by_peer: dict[int, list[Response]] = {}
+        for resp in responses:
+            members = self.registry.ranks(resp.set_id) or []
+            if resp.kind is OpKind.ADD_PROCESS_SET or resp.kind is OpKind.REMOVE_PROCESS_SET:
+                members = list(range(self.size))  # every rank keeps the same registry
+            for peer in members:
+                if peer != 0 and peer not in self._departed:
+                    by_peer.setdefault(peer, []).append(resp)
+        for peer, resps in by_peer.items():
+            self.transport.send_control(peer, encode(MSG_RESPONSES, resps=resps))
+        self._execute(responses)
+
+    def _execute(self, responses: list[Response]) -> None:
+        for resp in responses:
+            members = self.registry.ranks(resp.set_id)
+            in_set = members is not None and self.rank in members
+            if in_set or resp.kind in (OpKind.ADD_PROCESS_SET, OpKind.REMOVE_PROCESS_SET,
+                                       OpKind.ERROR):
+                self._executor.execute(resp, self._pending)
+
+    # ---- shutdown and failure ------------------------------------------------------------------
+    def _say_goodbye(self) -> None:
+        try:
+            if self._coordinator is None:
+                self.transport.send_control(0, encode(MSG_BYE))
+            else:
+                for peer in range(1, self.size):
+                    if peer not in self._departed:
+                        self.transport.send_control(peer, encode(MSG_SHUTDOWN))
+        except HoraError:
+            pass  # peers already gone: nothing to tell
+
+    def _abort(self, exc: HoraError) -> None:
+        error = exc if isinstance(exc, HoraInternalError) else HoraInternalError(str(exc))
+        if self._error is None:
+            self._error = error
+        log.error("%s", error)
+        reason = encode(MSG_ABORT, reason=f"rank {self.rank} failed: {error}")
+        peers = range(1, self.size) if self._coordinator is not None else [0]
+        for peer in peers:
+            if peer in self._departed:
+                continue
+            try:
+                self.transport.send_control(peer, reason)
+            except HoraError:
+                pass
+        self._stop.set()
+
+    def _fail_all(self, error: HoraInternalError) -> None:
+        while self._queue:
+            entry = self._queue.popleft()
+            self._pending[entry.request.name] = entry
+        for entry in self._pending.values():
+            entry.handle.set_error(type(error)(str(error)))
+        self._pending.clear()

@@ -1,0 +1,222 @@
+"""Execution of negotiated responses on this rank: fuse, run the collective, unpack, complete.
+
+Runs on the engine's background thread only. Each :class:`~hora.core.messages.Response` is
+executed identically (same algorithm, same sizes) by every member of its process set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from hora._util.log import get_logger
+from hora.collectives.allgather import allgather
+from hora.collectives.allreduce import allreduce
+from hora.collectives.alltoall import alltoall
+from hora.collectives.broadcast import broadcast
+from hora.collectives.comm import Comm, SubComm
+from hora.collectives.ops import ReduceOp, scale_inplace, to_dtype
+from hora.collectives.reducescatter import reducescatter
+from hora.collectives.select import select_allreduce
+from hora.config import Config
+from hora.core.handle import Handle
+from hora.core.messages import OpKind, Request, Response
+from hora.core.process_set import Registry
+from hora.errors import MismatchError
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Entry:
+    """One local op waiting for its response.
+
+    ``tensor`` is the contiguous input. ``output`` is where the result goes (may be ``tensor``
+    itself for in-place ops; None when the size is only known after negotiation). ``finish``
+    post-processes the result (e.g. copy back into a non-contiguous original) before the handle
+    completes.
+    """
+
+    request: Request
+    tensor: np.ndarray
+    output: np.ndarray | None
+    handle: Handle
+    finish: Callable[[Any], Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def reducescatter_rows(rows: int, size: int) -> list[int]:
+    """Horovod's split of ``rows`` among ``size`` ranks: the first ``rows % size`` get one more."""
+    base, extra = divmod(rows, size)
+    return [base + (1 if i < extra else 0) for i in range(size)]
+
+
+class Executor:
+    """Runs responses over the global data-plane comm."""
+
+    def __init__(self, comm: Comm, registry: Registry, config: Config) -> None:
+        self._comm = comm
+        self._registry = registry
+        self._config = config
+        self._subcomms: dict[int, Comm] = {}
+        self._fusion = np.empty(0, dtype=np.uint8)
+        self._scratch = np.empty(0, dtype=np.uint8)
+
+    def comm_for(self, set_id: int) -> Comm:
+        comm = self._subcomms.get(set_id)
+        if comm is None:
+            ranks = self._registry.ranks(set_id)
+            if ranks is None:
+                raise MismatchError(f"process set {set_id} is not registered on this rank")
+            comm = self._comm if set_id == 0 else SubComm(self._comm, ranks)
+            self._subcomms[set_id] = comm
+        return comm
+
+    def forget_set(self, set_id: int) -> None:
+        self._subcomms.pop(set_id, None)
+
+    def execute(self, resp: Response, entries: dict[str, Entry]) -> None:
+        """Run ``resp``; ``entries`` are this rank's local ops by name (popped when done)."""
+        kind = resp.kind
+        if kind is OpKind.ERROR:
+            for name in resp.names:
+                entry = entries.pop(name, None)
+                if entry is not None:
+                    entry.handle.set_error(MismatchError(resp.error))
+            return
+        if kind in (OpKind.BARRIER, OpKind.JOIN, OpKind.REMOVE_PROCESS_SET,
+                    OpKind.ADD_PROCESS_SET):
+            self._control_op(resp, entries)
+            return
+        comm = self.comm_for(resp.set_id)
+        if kind is OpKind.ALLREDUCE:
+            self._allreduce(comm, resp, entries)
+            return
+        entry = entries.pop(resp.names[0])
+        try:
+            result = {OpKind.ALLGATHER: self._allgather, OpKind.BROADCAST: self._broadcast,
+                      OpKind.ALLTOALL: self._alltoall,
+                      OpKind.REDUCESCATTER: self._reducescatter}[kind](comm, resp, entry)
+        except BaseException as exc:
+            entry.handle.set_error(exc)
+            raise
+        _complete(entry, result)
+
+    # ---- ops --------------------------------------------------------------------------------
+    def _control_op(self, resp: Response, entries: dict[str, Entry]) -> None:
+        if resp.kind is OpKind.ADD_PROCESS_SET and resp.ranks is not None:
+            self._registry.register(resp.ranks, resp.value)
+        elif resp.kind is OpKind.REMOVE_PROCESS_SET:
+            self._registry.remove(resp.value)
+            self.forget_set(resp.value)
+        entry = entries.pop(resp.names[0], None)
+        if entry is not None:
+            value: Any = resp.value if resp.kind is not OpKind.BARRIER else None
+            _complete(entry, value)
+
+    def _allreduce(self, comm: Comm, resp: Response, entries: dict[str, Entry]) -> None:
+        dtype = to_dtype(resp.dtype)
+        local = [entries.pop(n, None) for n in resp.names]
+        try:
+            sizes = [int(np.prod(s, dtype=np.int64)) for s in resp.shapes]
+            total = sum(sizes)
+            single = len(local) == 1 and local[0] is not None and local[0].output is not None
+            if single:
+                entry = local[0]
+                assert entry is not None and entry.output is not None
+                out = entry.output
+                if out is not entry.tensor:
+                    np.copyto(out, entry.tensor)
+                buf = out.reshape(-1)
+            else:
+                buf = self._fusion_view(dtype, total)
+                offset = 0
+                for entry, n in zip(local, sizes):
+                    if entry is None:  # this rank joined: contribute zeros
+                        buf[offset:offset + n] = 0
+                    else:
+                        buf[offset:offset + n] = entry.tensor.reshape(-1)
+                    offset += n
+            postscale = resp.postscale
+            if resp.op == ReduceOp.Average:
+                postscale = postscale / comm.size
+            scale_inplace(buf, resp.prescale)
+            algorithm = select_allreduce(buf.nbytes, comm.size, self._config.allreduce_algorithm,
+                                         self._config.small_allreduce_bytes)
+            allreduce(comm, buf, ReduceOp(resp.op), algorithm, scratch=self._scratch_for(buf))
+            scale_inplace(buf, postscale)
+            offset = 0
+            for entry, n, shape in zip(local, sizes, resp.shapes):
+                if entry is not None:
+                    if not single:
+                        out = entry.output if entry.output is not None else np.empty(shape, dtype)
+                        out.reshape(-1)[...] = buf[offset:offset + n]
+                        entry.output = out
+                    _complete(entry, entry.output)
+                offset += n
+        except BaseException as exc:
+            for entry in local:
+                if entry is not None:
+                    entry.handle.set_error(exc)
+            raise
+
+    def _allgather(self, comm: Comm, resp: Response, entry: Entry) -> np.ndarray:
+        x = entry.tensor
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        dims = resp.first_dims[0]
+        out = np.empty((sum(dims),) + tuple(x.shape[1:]), dtype=x.dtype)
+        allgather(comm, x.reshape(-1), [d * row for d in dims], out.reshape(-1))
+        return out
+
+    def _broadcast(self, comm: Comm, resp: Response, entry: Entry) -> np.ndarray:
+        out = entry.output if entry.output is not None else entry.tensor.copy()
+        if out is not entry.tensor:
+            np.copyto(out, entry.tensor)
+        root = (self._registry.ranks(resp.set_id) or []).index(resp.root)
+        broadcast(comm, out.reshape(-1), root)
+        return out
+
+    def _alltoall(self, comm: Comm, resp: Response, entry: Entry) -> tuple[np.ndarray, np.ndarray]:
+        x = entry.tensor
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        matrix = resp.splits[0]
+        me = comm.rank
+        send = [s * row for s in matrix[me]]
+        recv_rows = [matrix[j][me] for j in range(comm.size)]
+        out = np.empty((sum(recv_rows),) + tuple(x.shape[1:]), dtype=x.dtype)
+        alltoall(comm, x.reshape(-1), send, out.reshape(-1), [r * row for r in recv_rows])
+        return out, np.asarray(recv_rows, dtype=np.int32)
+
+    def _reducescatter(self, comm: Comm, resp: Response, entry: Entry) -> np.ndarray:
+        x = entry.tensor
+        rows = reducescatter_rows(x.shape[0], comm.size)
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        buf = x.reshape(-1).copy()
+        scale_inplace(buf, resp.prescale)
+        out = np.empty((rows[comm.rank],) + tuple(x.shape[1:]), dtype=x.dtype)
+        reducescatter(comm, buf, [r * row for r in rows], ReduceOp(resp.op), out.reshape(-1),
+                      scratch=self._scratch_for(buf))
+        postscale = resp.postscale / (comm.size if resp.op == ReduceOp.Average else 1)
+        scale_inplace(out, postscale)
+        return out
+
+    # ---- buffers ----------------------------------------------------------------------------
+    def _fusion_view(self, dtype: np.dtype[Any], count: int) -> np.ndarray:
+        nbytes = count * dtype.itemsize
+        if self._fusion.nbytes < nbytes:
+            self._fusion = np.empty(max(nbytes, 2 * self._fusion.nbytes), dtype=np.uint8)
+        return self._fusion[:nbytes].view(dtype)
+
+    def _scratch_for(self, buf: np.ndarray) -> np.ndarray:
+        # Enough for one ring chunk (or the whole buffer for star/small algorithms).
+        if self._scratch.nbytes < buf.nbytes:
+            self._scratch = np.empty(max(buf.nbytes, 4096), dtype=np.uint8)
+        return self._scratch
+
+
+def _complete(entry: Entry, result: Any) -> None:
+    if entry.finish is not None:
+        result = entry.finish(result)
+    entry.handle.set_result(result)

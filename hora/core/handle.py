@@ -1,0 +1,123 @@
+"""Handles: the future every collective returns, and the integer handle table Horovod exposes.
+
+A :class:`Handle` is completed exactly once by the engine's background thread, with a result or
+an error. :class:`HandleTable` maps Horovod-style integer handles (counter starting at 1, reset
+by ``shutdown``) to handles; it lives in the core so no adapter keeps its own map.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from hora.errors import HoraInternalError, HoraTimeoutError
+
+
+class Handle:
+    """The pending result of one collective.
+
+    ``wait()`` returns the op's output (an array, or a tuple for alltoall) or raises the
+    :class:`~hora.errors.HoraInternalError` subclass that failed it.
+    """
+
+    __slots__ = ("name", "_event", "_result", "_error", "_callbacks", "_lock")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Handle], None]] = []
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        """True once the op has finished (successfully or not)."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until done; return the result or raise the op's error.
+
+        Args:
+            timeout: seconds to wait, or None for no limit (the engine itself fails every
+                pending op when a peer is lost, so None cannot hang on a dead job).
+
+        Raises:
+            HoraTimeoutError: ``timeout`` passed first (the op keeps running).
+            HoraInternalError: the op failed (mismatch, lost peer, shutdown).
+        """
+        if not self._event.wait(timeout):
+            raise HoraTimeoutError(
+                f"op '{self.name}' did not finish within {timeout} s; it is still pending. "
+                "Are all ranks submitting it? (the stall inspector names missing ranks)"
+            )
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def result(self) -> Any:
+        """Same as ``wait()``."""
+        return self.wait()
+
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        """Call ``fn(handle)`` when done (at once if already done), on the completing thread."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def set_result(self, value: Any) -> None:
+        self._finish(value, None)
+
+    def set_error(self, error: BaseException) -> None:
+        self._finish(None, error)
+
+    def _finish(self, value: Any, error: BaseException | None) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._result, self._error = value, error
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+
+class HandleTable:
+    """Integer handles as Horovod hands them out (1, 2, 3, ...)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 1
+        self._handles: dict[int, Handle] = {}
+
+    def add(self, handle: Handle) -> int:
+        with self._lock:
+            key = self._next
+            self._next += 1
+            self._handles[key] = handle
+            return key
+
+    def peek_next(self) -> int:
+        """The integer the next :meth:`add` will return (used for automatic op names)."""
+        with self._lock:
+            return self._next
+
+    def get(self, key: int) -> Handle:
+        with self._lock:
+            handle = self._handles.get(key)
+        if handle is None:
+            raise ValueError(f"Handle {key} was not created or has been cleared.")
+        return handle
+
+    def pop(self, key: int) -> Handle | None:
+        with self._lock:
+            return self._handles.pop(key, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._handles.clear()
+            self._next = 1
+
+
+__all__ = ["Handle", "HandleTable", "HoraInternalError"]

@@ -1,0 +1,160 @@
+"""Control-plane messages between ranks and the coordinator, and their wire format.
+
+A :class:`Request` says "this rank wants op X on tensor *name* with these properties"; the
+coordinator answers with :class:`Response` objects that every member of the process set executes
+in the same order. Messages travel as compact JSON: slower than a binary format by microseconds,
+but safe to parse from the network (no code execution, every field type-checked by
+:func:`decode`).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hora.errors import HoraInternalError
+
+
+class OpKind(str, enum.Enum):
+    """What a request asks for (Horovod's request/response types)."""
+
+    ALLREDUCE = "ALLREDUCE"
+    ALLGATHER = "ALLGATHER"
+    BROADCAST = "BROADCAST"
+    ALLTOALL = "ALLTOALL"
+    REDUCESCATTER = "REDUCESCATTER"
+    BARRIER = "BARRIER"
+    JOIN = "JOIN"
+    ADD_PROCESS_SET = "ADD_PROCESS_SET"
+    REMOVE_PROCESS_SET = "REMOVE_PROCESS_SET"
+    ERROR = "ERROR"
+
+
+@dataclass
+class Request:
+    """One rank's request for one named op."""
+
+    name: str
+    kind: OpKind
+    rank: int
+    set_id: int = 0
+    dtype: str = "uint8"
+    shape: list[int] = field(default_factory=list)
+    op: int = 1
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    splits: list[int] | None = None
+    group: int = -1
+    device: str = "cpu"
+    ranks: list[int] | None = None  # ADD/REMOVE_PROCESS_SET
+
+
+@dataclass
+class Response:
+    """What every member of a process set executes next.
+
+    ``names`` has several entries when tensors are fused. Per-name details: ``shapes`` (the
+    agreed shape, or rank 0's for allgather/alltoall), ``first_dims`` (allgather: each rank's
+    first dimension), ``splits`` (alltoall: row ``r`` = rows rank ``r`` sends to each rank).
+    ``joined`` are ranks that called ``join`` and contribute zeros.
+    """
+
+    kind: OpKind
+    names: list[str]
+    set_id: int = 0
+    dtype: str = "uint8"
+    op: int = 1
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    shapes: list[list[int]] = field(default_factory=list)
+    first_dims: list[list[int]] = field(default_factory=list)
+    splits: list[list[list[int]]] = field(default_factory=list)
+    joined: list[int] = field(default_factory=list)
+    error: str = ""
+    value: int = -1  # JOIN: last joined rank; ADD_PROCESS_SET: new id; REMOVE: removed id
+    ranks: list[int] | None = None
+
+
+# Message types on the control plane.
+MSG_REQUESTS = "req"   # worker -> coordinator: {"reqs": [...]}
+MSG_RESPONSES = "resp"  # coordinator -> worker: {"resps": [...]}
+MSG_BYE = "bye"        # worker -> coordinator: I am shutting down cleanly
+MSG_ABORT = "abort"    # either way: the job is failing; {"reason": str}
+MSG_SHUTDOWN = "shutdown"  # coordinator -> worker: rank 0 shut down
+
+
+class ProtocolError(HoraInternalError):
+    """A control message could not be parsed (corrupt, or not from hora)."""
+
+
+def encode(kind: str, **payload: Any) -> bytes:
+    """Serialize one control message."""
+    body: dict[str, Any] = {"t": kind}
+    for key, value in payload.items():
+        if key == "reqs" or key == "resps":
+            value = [_plain(v) for v in value]
+        body[key] = value
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _plain(obj: Request | Response) -> dict[str, Any]:
+    d = asdict(obj)
+    d["kind"] = obj.kind.value
+    return d
+
+
+def decode(data: bytes) -> tuple[str, dict[str, Any]]:
+    """Parse a control message into ``(type, payload)`` with requests/responses as objects.
+
+    Raises:
+        ProtocolError: anything malformed; the message says what.
+    """
+    try:
+        body = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"malformed control message ({exc})") from None
+    if not isinstance(body, dict) or not isinstance(body.get("t"), str):
+        raise ProtocolError("control message without a type")
+    kind = body.pop("t")
+    try:
+        if "reqs" in body:
+            body["reqs"] = [_build(Request, r) for r in _list(body["reqs"])]
+        if "resps" in body:
+            body["resps"] = [_build(Response, r) for r in _list(body["resps"])]
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ProtocolError(f"malformed {kind!r} control message: {exc}") from None
+    return kind, body
+
+
+def _list(value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise TypeError("expected a list")
+    return value
+
+
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "name": str, "rank": int, "set_id": int, "dtype": str, "op": int, "root": int,
+    "prescale": (int, float), "postscale": (int, float), "group": int, "device": str,
+    "error": str, "value": int,
+}
+
+
+def _build(cls: type[Any], raw: Any) -> Any:
+    if not isinstance(raw, dict):
+        raise TypeError(f"{cls.__name__} must be an object")
+    raw = dict(raw)
+    raw["kind"] = OpKind(raw["kind"])
+    for key, value in raw.items():
+        want = _FIELD_TYPES.get(key)
+        if want is not None and (not isinstance(value, want) or isinstance(value, bool)):
+            raise TypeError(f"field {key!r} has type {type(value).__name__}")
+    for key in ("shape", "splits", "ranks", "names", "joined"):
+        value = raw.get(key)
+        if value is not None and not (isinstance(value, list)
+                                      and all(isinstance(v, (int, str)) for v in value)):
+            raise TypeError(f"field {key!r} must be a flat list")
+    return cls(**raw)

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up .venv with hora and everything its tests, demo and benchmarks use. Idempotent.
+# PyTorch is installed first and pinned: an unpinned torch pulls several GB of CUDA packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+PIP=".venv/bin/pip --disable-pip-version-check -q"
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  echo "[setup] installing torch==2.13.0 (CPU)"
+  $PIP install "torch==2.13.0"
+fi
+echo "[setup] installing hora (editable) with test extras"
+$PIP install -e ".[test]"

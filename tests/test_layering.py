@@ -1,0 +1,74 @@
+"""Imports only point down the layer diagram in DESIGN.md; this walks every module's imports."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "hora"
+
+BASE = {"hora.errors", "hora.config", "hora._util"}
+ALLOWED: dict[str, set[str]] = {
+    "hora._util": BASE,
+    "hora.errors": set(),
+    "hora.config": {"hora.errors"},
+    "hora.collectives": BASE | {"hora.collectives"},
+    "hora.rendezvous": BASE | {"hora.rendezvous"},
+    "hora.transports": BASE | {"hora.transports", "hora.collectives.comm", "hora.rendezvous"},
+    "hora.core": BASE | {"hora.core", "hora.collectives", "hora.transports", "hora.rendezvous"},
+    "hora.runner": BASE | {"hora.runner", "hora.rendezvous"},
+    "hora.torch": BASE | {"hora.torch", "hora.core", "hora.collectives.ops", "hora"},
+    "hora": BASE | {"hora.core", "hora.collectives.ops"},
+}
+
+
+def _layer(module: str) -> str:
+    best = ""
+    for layer in ALLOWED:
+        if (module == layer or module.startswith(layer + ".")) and len(layer) > len(best):
+            best = layer
+    return best
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+    return [(line, name) for line, name in found if name == "hora" or name.startswith("hora.")]
+
+
+def _allowed(target: str, allowed: set[str]) -> bool:
+    return any(target == a or target.startswith(a + ".") for a in allowed)
+
+
+def test_no_upward_imports() -> None:
+    problems = []
+    for path in sorted(ROOT.rglob("*.py")):
+        module = _module_name(path)
+        layer = _layer(module)
+        assert layer, f"{module} belongs to no layer; add it to ALLOWED in {__file__}"
+        for line, target in _imports(path):
+            if _layer(target) == layer or _allowed(target, ALLOWED[layer]):
+                continue
+            problems.append(f"{path.relative_to(ROOT.parent)}:{line}: {module} ({layer}) "
+                            f"imports {target}")
+    assert not problems, "upward or sideways imports:\n" + "\n".join(problems)
+
+
+def test_runner_never_imports_the_engine() -> None:
+    for path in (ROOT / "runner").rglob("*.py"):
+        for _, target in _imports(path):
+            assert not target.startswith(("hora.core", "hora.torch", "hora.transports")), (
+                f"{path} imports {target}")
