@@ -86,9 +86,9 @@ KNOBS: tuple[Knob, ...] = (
     _k("disable_group_fusion", bool, False, None,
        "Fuse grouped ops only with members of the same group."),
     _k("allreduce_algorithm", str, "auto", "--allreduce-algorithm",
-       "hora-only: 'auto' (ring, or a latency-optimal exchange for small tensors), 'ring', or "
-       "'star' (parameter-server style: everyone sends to rank 0).",
-       alias=False, choices=("auto", "ring", "star")),
+       "hora-only: 'auto' (ring, or recursive doubling for small tensors), 'ring', 'small' "
+       "(recursive doubling), or 'star' (parameter-server style: everyone sends to rank 0).",
+       alias=False, choices=("auto", "ring", "small", "star")),
     _k("small_allreduce_bytes", int, 64 * 1024, None,
        "hora-only: allreduces up to this many bytes use the latency-optimal algorithm "
        "(recursive doubling) when the algorithm is 'auto'.", alias=False),

@@ -40,7 +40,7 @@ def test_gloo_timeout_feeds_timeout_seconds() -> None:
     ({"HORA_FUSION_THRESHOLD": "lots"}, "fusion_threshold"),
     ({"HOROVOD_CYCLE_TIME": "-1"}, "must be >= 0"),
     ({"HORA_STALL_CHECK_DISABLE": "maybe"}, "stall_check_disable"),
-    ({"HORA_ALLREDUCE_ALGORITHM": "tree"}, "expected one of auto, ring, star"),
+    ({"HORA_ALLREDUCE_ALGORITHM": "tree"}, "expected one of auto, ring, small, star"),
     ({"HORA_FUSION_THRESOLD": "1"}, "did you mean HORA_FUSION_THRESHOLD"),
 ])
 def test_bad_values_name_the_knob(env: dict[str, str], words: str) -> None:

@@ -13,7 +13,8 @@ bytearrays); implementations move ``memoryview(buf).cast("B")`` bytes.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 Buffer = Any  # a C-contiguous object supporting the buffer protocol
 
@@ -33,7 +34,11 @@ class Comm(Protocol):
         ...
 
     def send(self, peer: int, buf: Buffer) -> None:
-        """Send all bytes of ``buf`` to ``peer``; returns when ``buf`` may be reused."""
+        """Send all bytes of ``buf`` to ``peer``; returns when ``buf`` may be reused.
+
+        May block until the peer receives (do not rely on buffering): algorithms must order
+        their sends and receives so that no cycle of blocked sends can form.
+        """
         ...
 
     def recv_into(self, peer: int, buf: Buffer) -> None:

@@ -1,0 +1,1 @@
+"""Tests of the collective algorithms (a package so that helpers import relatively)."""
