@@ -1,0 +1,549 @@
+"""The ``hora`` command line: ``hora run``, ``hora check``, ``hora --version``.
+
+Runner layer (imports only base layers, rendezvous and the runner). ``hora run`` accepts every
+``horovodrun`` flag with the same meaning; the tunable flags are generated from the knob table
+(:data:`hora.KNOBS`): every knob with a ``cli`` flag becomes an option (bool knobs get
+``--flag`` / ``--no-flag``), values are validated with :func:`hora.parse_value`, and a
+given flag is exported to the ranks as the knob's ``HORA_*`` variable. A ``--config-file`` (YAML,
+horovodrun's sections) fills in knobs the command line did not give.
+
+The flow is flags -> :class:`~hora.runner.launch.LaunchSpec` -> :func:`~hora.runner.launch.launch`.
+Usage errors exit 2 with a message; otherwise the exit status is the job's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from hora._util.net import interface_names, local_hostname
+from hora.config import KNOBS, KNOBS_BY_NAME, Knob, cli_value_to_env, parse_value
+from hora.errors import ConfigError, HoraError
+from hora.runner import check
+from hora.runner.launch import (
+    IDENTITY_VARS,
+    HostSlots,
+    LaunchSpec,
+    launch,
+    parse_hostfile,
+    parse_hosts,
+)
+from hora.runner.local import say
+
+PROG = "hora"
+
+_GROUPS: tuple[tuple[str, str], ...] = (
+    ("general", "general"),
+    ("ssh", "ssh (multi-host launch: not yet; accepted, unused for local hosts)"),
+    ("tunables", "tunables (exported to the ranks as HORA_* variables)"),
+    ("autotune", "autotune (accepted; no effect yet)"),
+    ("elastic", "elastic (not implemented yet: these flags are refused)"),
+    ("timeline", "timeline"),
+    ("stall", "stall check"),
+    ("library", "library"),
+    ("logging", "logging"),
+    ("hosts", "hosts (only this machine for now)"),
+    ("controller", "controller"),
+    ("env", "environment"),
+)
+
+# Group of each knob's generated flag; knobs not listed go to "tunables".
+_KNOB_GROUP: dict[str, str] = {
+    "start_timeout": "general", "autotune": "autotune", "autotune_log": "autotune",
+    "timeline": "timeline", "timeline_mark_cycles": "timeline",
+    "stall_check_time_seconds": "stall", "stall_shutdown_time_seconds": "stall",
+    "mpi_threads_disable": "library", "num_nccl_streams": "library",
+    "thread_affinity": "library", "gloo_timeout_seconds": "library",
+    "timeout_seconds": "library", "log_level": "logging", "log_hide_time": "logging",
+}
+
+# Knobs whose flags are written by hand below instead of generated.
+_HAND_WRITTEN = frozenset({"gloo_iface"})
+
+_ELASTIC_FLAGS: tuple[tuple[str, str], ...] = (
+    ("min_np", "--min-np"), ("max_np", "--max-np"), ("slots_per_host", "--slots-per-host"),
+    ("elastic_timeout", "--elastic-timeout"), ("reset_limit", "--reset-limit"),
+    ("blacklist_cooldown_range", "--blacklist-cooldown-range"),
+    ("host_discovery_script", "--host-discovery-script"),
+)
+
+# --config-file: section -> key -> (knob, invert) ; None: accepted, no knob (no effect yet).
+_CONFIG_FILE: dict[str, dict[str, tuple[str, bool] | None]] = {
+    "params": {"fusion_threshold_mb": ("fusion_threshold", False),
+               "cycle_time_ms": ("cycle_time", False),
+               "cache_capacity": ("cache_capacity", False),
+               "hierarchical_allreduce": ("hierarchical_allreduce", False),
+               "hierarchical_allgather": ("hierarchical_allgather", False),
+               "torus_allreduce": ("torus_allreduce", False)},
+    "autotune": {"enabled": ("autotune", False), "log_file": ("autotune_log", False),
+                 "warmup_samples": None, "steps_per_sample": None,
+                 "bayes_opt_max_samples": None, "gaussian_process_noise": None},
+    "timeline": {"filename": ("timeline", False),
+                 "mark_cycles": ("timeline_mark_cycles", False)},
+    "stall_check": {"enabled": ("stall_check_disable", True),
+                    "warning_time_seconds": ("stall_check_time_seconds", False),
+                    "shutdown_time_seconds": ("stall_shutdown_time_seconds", False)},
+    "library_options": {"mpi_threads_disable": ("mpi_threads_disable", False),
+                        "num_nccl_streams": ("num_nccl_streams", False),
+                        "thread_affinity": ("thread_affinity", False),
+                        "gloo_timeout_seconds": ("gloo_timeout_seconds", False)},
+    "logging": {"level": ("log_level", False), "with_timestamp": ("log_hide_time", True)},
+}
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+_MPI_HINT = ("hora uses its own engine, so there is no mpirun launcher mode. You do not need "
+             "one: hora ranks run under MPI directly, e.g. `mpirun -np 4 python train.py` "
+             "(no hora run). Drop --mpi to let hora run start the ranks itself.")
+_JSRUN_HINT = ("hora has no jsrun launcher mode. Start the ranks with `hora run -np N ...` on "
+               "one host, or with mpirun / srun directly (no hora run needed).")
+
+_RUN_EPILOG = """\
+examples:
+  hora run -np 4 python train.py                 4 ranks on this machine
+  hora run -np 2 --fusion-threshold-mb 32 -x OMP_NUM_THREADS=1 python train.py
+  hora run -np 4 --output-filename logs python train.py
+  mpirun -np 4 python train.py                   works too: no hora run needed
+
+Every rank gets HOROVOD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE/CROSS_RANK/CROSS_SIZE/HOSTNAME (and the
+same as HORA_*), the rendezvous address and a per-job secret in its environment. Output lines
+are prefixed [<rank>]<stdout>: / [<rank>]<stderr>:. The first rank to fail stops the job: the
+others get SIGTERM, then SIGKILL, and hora run exits with the failed rank's status.
+"""
+
+_TOP_HELP = f"""\
+usage: {PROG} <command> [options]
+
+Distributed data-parallel training with Horovod's API, in pure Python.
+
+commands:
+  run      launch a job on this host:  {PROG} run -np 4 python train.py
+  check    show frameworks, transports and launchers (also: {PROG} run --check-build)
+
+options:
+  -h, --help     show this help and exit
+  -v, --version  print hora's version and exit
+
+`{PROG} -np 4 python train.py` (horovodrun's spelling, without `run`) works too.
+Run `{PROG} run --help` for every option.
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser whose errors say which program failed and exit 2 (argparse's code)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# ---- parser ------------------------------------------------------------------------------------
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
+
+
+def _non_negative(kind: type, upper: float | None = None) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {kind.__name__}") from None
+        if value < 0 or (upper is not None and value > upper):
+            bound = f"in [0, {upper}]" if upper is not None else ">= 0"
+            raise argparse.ArgumentTypeError(f"must be {bound}, not {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _knob_parser(knob: Knob, flag: str) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            return parse_value(knob, text, flag)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    parse.__name__ = knob.type.__name__
+    return parse
+
+
+def _knob_help(knob: Knob) -> str:
+    if knob.type is bool:
+        default = "on" if knob.default else "off"
+    elif knob.cli_scale != 1:
+        default = f"{knob.default // knob.cli_scale}"
+    elif knob.default == "":
+        default = "unset"
+    else:
+        default = str(knob.default)
+    note = "" if knob.implemented or "accepted" in knob.doc else " Accepted; no effect yet."
+    doc = knob.doc.replace("%", "%%")
+    return f"{doc}{note} [default: {default}; env {knob.env}]"
+
+
+def _knob_metavar(knob: Knob) -> str:
+    if knob.choices:
+        return "{" + ",".join(knob.choices) + "}"
+    if knob.cli_scale != 1:
+        return "MB"
+    return {int: "N", float: "X"}.get(knob.type, "VALUE")
+
+
+def _add_knob_flags(groups: dict[str, argparse._ArgumentGroup]) -> None:
+    for knob in KNOBS:
+        if knob.cli is None or knob.name in _HAND_WRITTEN:
+            continue
+        group = groups[_KNOB_GROUP.get(knob.name, "tunables")]
+        dest = f"knob_{knob.name}"
+        if knob.type is bool:
+            group.add_argument(knob.cli, dest=dest, action=argparse.BooleanOptionalAction,
+                               default=None, help=_knob_help(knob))
+        else:
+            group.add_argument(knob.cli, dest=dest, default=None, metavar=_knob_metavar(knob),
+                               type=_knob_parser(knob, knob.cli), help=_knob_help(knob))
+
+
+def build_run_parser() -> argparse.ArgumentParser:
+    """The ``hora run`` parser: horovodrun's flags plus the generated knob flags."""
+    parser = _Parser(
+        prog=f"{PROG} run", usage=f"{PROG} run [options] -np N command [args ...]",
+        description="Launch N ranks of a training script on this machine (horovodrun's flags).",
+        epilog=_RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    groups = {key: parser.add_argument_group(title) for key, title in _GROUPS}
+    g = groups["general"]
+    g.add_argument("-v", "--version", action="store_true", help="print hora's version and exit")
+    g.add_argument("-np", "--num-proc", dest="np", type=_positive_int, metavar="N",
+                   help="number of ranks to start (required)")
+    g.add_argument("-cb", "--check-build", action="store_true",
+                   help="show the frameworks, controllers and tensor operations available "
+                        "(as horovodrun -cb), then exit")
+    g.add_argument("--disable-cache", action="store_true",
+                   help="accepted for compatibility (hora run caches nothing)")
+    g.add_argument("--network-interfaces", metavar="IF[,IF...]",
+                   help="comma list of network interfaces the ranks use (HORA_GLOO_IFACE is "
+                        "the first; NCCL_SOCKET_IFNAME all of them)")
+    g.add_argument("--network-interface", action="append", metavar="IF",
+                   help="one network interface; repeatable")
+    g.add_argument("--output-filename", metavar="DIR",
+                   help="also write each rank's output to DIR/rank.<r>/stdout and stderr")
+    g.add_argument("--verbose", action="store_true",
+                   help="print what the launcher starts and the variables it sets")
+    g.add_argument("--config-file", metavar="FILE",
+                   help="YAML file with horovodrun's sections (params, autotune, timeline, "
+                        "stall_check, library_options, logging, controller); flags given on "
+                        "the command line win (needs PyYAML)")
+    g.add_argument("command", nargs=argparse.REMAINDER,
+                   help="the program to run on every rank, and its arguments")
+
+    s = groups["ssh"]
+    s.add_argument("-p", "--ssh-port", type=_positive_int, metavar="PORT", help="ssh port")
+    s.add_argument("-i", "--ssh-identity-file", metavar="FILE", help="ssh private key")
+
+    a = groups["autotune"]
+    a.add_argument("--autotune-warmup-samples", type=_non_negative(int), metavar="N",
+                   help="[default: 3]")
+    a.add_argument("--autotune-steps-per-sample", type=_non_negative(int), metavar="N",
+                   help="[default: 10]")
+    a.add_argument("--autotune-bayes-opt-max-samples", type=_non_negative(int), metavar="N",
+                   help="[default: 20]")
+    a.add_argument("--autotune-gaussian-process-noise", type=_non_negative(float, 1.0),
+                   metavar="X", help="in [0, 1] [default: 0.8]")
+
+    e = groups["elastic"]
+    e.add_argument("--min-np", "--min-num-proc", dest="min_np", type=_positive_int,
+                   metavar="N", help="minimum number of ranks (enables elastic mode)")
+    e.add_argument("--max-np", "--max-num-proc", dest="max_np", type=_positive_int,
+                   metavar="N", help="maximum number of ranks")
+    e.add_argument("--slots-per-host", dest="slots_per_host", type=_positive_int, metavar="N",
+                   help="slots of discovered hosts that state none")
+    e.add_argument("--elastic-timeout", type=_non_negative(float), metavar="SECONDS",
+                   help="wait for enough slots after a rescale [default: 600]")
+    e.add_argument("--reset-limit", type=_non_negative(int), metavar="N",
+                   help="resets allowed before the job fails")
+    e.add_argument("--blacklist-cooldown-range", type=_non_negative(int), nargs=2,
+                   metavar=("MIN", "MAX"), help="cooldown range of failed hosts, seconds")
+
+    st = groups["stall"]
+    st.add_argument("--no-stall-check", dest="knob_stall_check_disable", action="store_const",
+                    const=True, default=None,
+                    help="disable the stall inspector [env HORA_STALL_CHECK_DISABLE=1]")
+    st.add_argument("--stall-check", dest="knob_stall_check_disable", action="store_const",
+                    const=False, help=argparse.SUPPRESS)
+
+    lib = groups["library"]
+    lib.add_argument("--mpi-args", metavar="ARGS",
+                     help="extra mpirun arguments (unused: hora has no mpirun mode)")
+    lib.add_argument("--tcp", dest="tcp", action="store_true",
+                     help="TCP only: NCCL_IB_DISABLE=1 for the ranks")
+    lib.add_argument("--binding-args", metavar="ARGS",
+                     help="mpirun binding arguments (unused: hora has no mpirun mode)")
+
+    lg = groups["logging"]
+    lg.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp",
+                    dest="prefix_timestamp", action="store_true",
+                    help="put a time stamp before each relayed output line")
+    lg.add_argument("--log-with-timestamp", dest="knob_log_hide_time", action="store_false",
+                    default=None, help=argparse.SUPPRESS)
+    lg.add_argument("--log-hide-timestamp", dest="deprecated_log_hide", action="store_const",
+                    const=True, default=None, help=argparse.SUPPRESS)
+    lg.add_argument("--no-log-hide-timestamp", dest="deprecated_log_hide", action="store_const",
+                    const=False, help=argparse.SUPPRESS)
+
+    hosts = groups["hosts"].add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hosts", metavar="HOST:SLOTS[,...]",
+                       help="hosts and slots, e.g. localhost:4 [default: localhost:<np>]")
+    hosts.add_argument("-hostfile", "--hostfile", metavar="FILE",
+                       help="file with lines '<hostname> slots=<n>'")
+    hosts.add_argument("--host-discovery-script", metavar="SCRIPT",
+                       help="elastic host discovery (not implemented yet)")
+
+    ctl = groups["controller"].add_mutually_exclusive_group()
+    ctl.add_argument("--gloo", action="store_true",
+                     help="start the ranks with hora's own launcher (the default)")
+    ctl.add_argument("--mpi", action="store_true", help="not available: see the message")
+    ctl.add_argument("--jsrun", action="store_true", help="not available: see the message")
+
+    groups["env"].add_argument(
+        "-x", dest="env_vars", action="append", metavar="VAR[=VALUE]",
+        help="set VAR=VALUE for every rank, or forward the launcher's VAR; repeatable")
+
+    _add_knob_flags(groups)
+    return parser
+
+
+# ---- config file -------------------------------------------------------------------------------
+
+def read_config_file(path: str) -> tuple[dict[str, Any], str | None]:
+    """Knob values and controller from a horovodrun YAML config file.
+
+    Returns:
+        ``(values by knob name, controller or None)``.
+
+    Raises:
+        ConfigError: PyYAML is missing, the file cannot be read or parsed, or it has an unknown
+            section, key or a malformed value.
+    """
+    try:
+        import yaml  # type: ignore[import-untyped]
+    except ImportError:
+        raise ConfigError(f"--config-file {path!r} needs PyYAML to read it: "
+                          "pip install pyyaml") from None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ConfigError(f"--config-file {path!r}: cannot read it: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config-file {path!r} is not valid YAML: {exc}") from None
+    return config_values(data or {}, path)
+
+
+def config_values(data: Any, source: str) -> tuple[dict[str, Any], str | None]:
+    """Translate parsed config-file ``data`` (horovodrun's sections) into knob values."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections at the top level")
+    values: dict[str, Any] = {}
+    controller = None
+    for section, body in data.items():
+        if section == "controller":
+            controller = str(body).lower()
+            if controller not in ("gloo", "mpi"):
+                raise ConfigError(f"{source}: controller must be gloo or mpi, not {body!r}")
+            continue
+        keys = _CONFIG_FILE.get(section)
+        if keys is None:
+            raise ConfigError(f"{source}: unknown section {section!r}; known: controller, "
+                              f"{', '.join(_CONFIG_FILE)}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{source}: section {section!r} must be a mapping")
+        for key, raw in body.items():
+            if key not in keys:
+                raise ConfigError(f"{source}: unknown key {section}.{key}; known: "
+                                  f"{', '.join(keys)}")
+            target = keys[key]
+            if target is None or raw is None:
+                continue
+            name, invert = target
+            knob = KNOBS_BY_NAME[name]
+            text = ("1" if raw else "0") if isinstance(raw, bool) else str(raw)
+            value = parse_value(knob, text, f"{source}: {section}.{key}")
+            values[name] = (not value) if invert else value
+    return values, controller
+
+
+# ---- args -> LaunchSpec ------------------------------------------------------------------------
+
+def _refuse_unsupported(ns: argparse.Namespace, controller: str | None) -> None:
+    given = [flag for dest, flag in _ELASTIC_FLAGS if getattr(ns, dest) is not None]
+    if given:
+        raise ConfigError(
+            f"elastic mode is not implemented yet in hora ({', '.join(given)} given). Run a "
+            "fixed-size job with -np N; elastic training is tracked as its own issue.")
+    if ns.mpi or (controller == "mpi" and not ns.gloo):
+        raise ConfigError(_MPI_HINT)
+    if ns.jsrun:
+        raise ConfigError(_JSRUN_HINT)
+
+
+def _knob_values(ns: argparse.Namespace) -> dict[str, Any]:
+    values = {k.name: getattr(ns, f"knob_{k.name}", None) for k in KNOBS}
+    if ns.deprecated_log_hide is not None:
+        say("--log-hide-timestamp / --no-log-hide-timestamp are deprecated; use "
+            "--log-without-timestamp / --log-with-timestamp.")
+        if values["log_hide_time"] is None:
+            values["log_hide_time"] = ns.deprecated_log_hide
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def _interfaces(ns: argparse.Namespace) -> list[str]:
+    names: list[str] = []
+    for item in [ns.network_interfaces or ""] + (ns.network_interface or []):
+        names += [n.strip() for n in item.split(",") if n.strip()]
+    known = interface_names()
+    for name in names:
+        if name not in known:
+            raise ConfigError(f"network interface {name!r} does not exist on "
+                              f"{local_hostname()}; available: {', '.join(known)}")
+    return list(dict.fromkeys(names))
+
+
+def _forwarded(items: Sequence[str]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not _ENV_NAME.match(name):
+            raise ConfigError(f"-x {item!r}: {name!r} is not an environment variable name")
+        if name in IDENTITY_VARS:
+            raise ConfigError(f"-x {item!r}: hora run sets {name} for each rank itself")
+        if sep:
+            env[name] = value
+        elif name in os.environ:
+            env[name] = os.environ[name]
+        else:
+            say(f"warning: -x {name}: {name} is not set here, so there is nothing to forward.")
+    return env
+
+
+def spec_from_args(ns: argparse.Namespace) -> LaunchSpec:
+    """Turn parsed ``hora run`` arguments into a :class:`LaunchSpec`.
+
+    Raises:
+        ConfigError: a usage error (missing -np or command, unsupported mode, bad host list,
+            bad config file, unknown network interface, bad -x).
+    """
+    knobs = _knob_values(ns)
+    controller = None
+    if ns.config_file is not None:
+        from_file, controller = read_config_file(ns.config_file)
+        knobs = {**from_file, **knobs}  # the command line wins (horovodrun semantics)
+    _refuse_unsupported(ns, controller)
+    if ns.np is None:
+        raise ConfigError("-np/--num-proc N is required")
+    command = list(ns.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise ConfigError("no command given: hora run -np N <command> [args ...]")
+
+    env = _forwarded(ns.env_vars or [])
+    if ns.tcp:
+        env["NCCL_IB_DISABLE"] = "1"
+    interfaces = _interfaces(ns)
+    if interfaces:
+        env["HORA_GLOO_IFACE"] = interfaces[0]
+        env["NCCL_SOCKET_IFNAME"] = ",".join(interfaces)
+    start_timeout = knobs.pop("start_timeout", None)
+    for name, value in knobs.items():
+        knob = KNOBS_BY_NAME[name]
+        env[knob.env] = cli_value_to_env(knob, value)
+
+    hosts: tuple[HostSlots, ...] = ()
+    if ns.hosts is not None:
+        hosts = parse_hosts(ns.hosts)
+    elif ns.hostfile is not None:
+        hosts = parse_hostfile(ns.hostfile)
+    for flag, value in (("--mpi-args", ns.mpi_args), ("--binding-args", ns.binding_args)):
+        if value is not None:
+            say(f"note: {flag} is ignored: hora run starts the ranks itself, not via mpirun.")
+    if ns.verbose and (ns.ssh_port is not None or ns.ssh_identity_file is not None):
+        say("note: ssh options are unused: every host of this job is this machine.")
+    return LaunchSpec(np=ns.np, command=tuple(command), hosts=hosts, env=env,
+                      output_filename=ns.output_filename, verbose=ns.verbose,
+                      start_timeout=start_timeout, prefix_timestamp=ns.prefix_timestamp)
+
+
+# ---- entry points ------------------------------------------------------------------------------
+
+def version_text() -> str:
+    """``hora <version>``."""
+    return f"{PROG} {check.hora_version()}"
+
+
+def run_main(argv: Sequence[str]) -> int:
+    """``hora run ...``: parse, build the spec, launch; usage errors exit 2."""
+    parser = build_run_parser()
+    ns = parser.parse_args(list(argv))
+    if ns.version:
+        print(version_text())
+        return 0
+    if ns.check_build:
+        return check.main([], checklist_first=True)
+    try:
+        spec = spec_from_args(ns)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    try:
+        return launch(spec)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    except HoraError as exc:
+        say(f"error: {exc}")
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``hora`` console script. Returns the exit status."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if not args:
+            sys.stderr.write(_TOP_HELP)
+            return 2
+        first = args[0]
+        if first in ("-h", "--help", "help"):
+            sys.stdout.write(_TOP_HELP)
+            return 0
+        if first in ("-v", "--version", "version"):
+            print(version_text())
+            return 0
+        if first == "run":
+            return run_main(args[1:])
+        if first == "check":
+            return check.main(args[1:])
+        if first in ("-cb", "--check-build"):
+            return check.main([], checklist_first=True)
+        if first.startswith("-"):  # horovodrun's spelling: hora -np 4 python train.py
+            return run_main(args)
+        sys.stderr.write(f"{_TOP_HELP}\n{PROG}: error: unknown command {first!r}; to launch "
+                         f"it, use: {PROG} run -np N {' '.join(args)}\n")
+        return 2
+    except SystemExit as exc:  # argparse's --help and usage errors
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        sys.stderr.write(f"{exc.code}\n")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

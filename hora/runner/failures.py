@@ -1,0 +1,93 @@
+"""What went wrong in a job: the first worker failure and the root-cause message.
+
+Runner layer. The supervisor (:mod:`hora.runner.local`) records the first rank that exited
+non-zero or died by a signal; :meth:`WorkerFailure.report` turns it into the lines the launcher
+prints last, so the root cause is not lost under the other ranks' "peer lost" errors.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+# Hints for deaths whose cause is not obvious from the signal name alone.
+_SIGNAL_HINTS: dict[int, str] = {
+    int(signal.SIGKILL): "a kill from outside the job, often the out-of-memory killer "
+                         "(check `dmesg` or the memory limit)",
+    int(signal.SIGSEGV): "a crash in native code (numpy or a framework extension)",
+    int(signal.SIGBUS): "a crash in native code, or /dev/shm ran out of space",
+    int(signal.SIGABRT): "an abort in native code (a failed assertion or C++ exception)",
+    int(signal.SIGPIPE): "its output was closed early (e.g. `hora run ... | head`)",
+}
+
+
+def signal_name(signum: int) -> str:
+    """``SIGKILL`` for 9; ``signal 64`` for numbers without a name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def exit_status(returncode: int) -> int:
+    """Shell-style exit status for a :class:`subprocess.Popen` return code (signal N -> 128+N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """The first rank of a job that failed.
+
+    Attributes:
+        rank: global rank of the worker.
+        size: number of ranks in the job.
+        hostname: host identity the worker was started with (``HOROVOD_HOSTNAME``).
+        returncode: :class:`subprocess.Popen` style: ``>0`` exit code, ``<0`` killed by signal.
+        stderr_tail: the last lines the worker wrote to stderr (oldest first).
+    """
+
+    rank: int
+    size: int
+    hostname: str
+    returncode: int
+    stderr_tail: tuple[str, ...] = ()
+
+    @property
+    def signal(self) -> int | None:
+        """The number of the signal that killed the worker, or None if it exited."""
+        return -self.returncode if self.returncode < 0 else None
+
+    @property
+    def exit_status(self) -> int:
+        """The launcher's exit status for this failure: the exit code, or 128 + signal."""
+        return exit_status(self.returncode)
+
+    def describe(self) -> str:
+        """One line: ``rank 1 of 4 on localhost exited with code 3``."""
+        where = f"rank {self.rank} of {self.size} on {self.hostname}"
+        sig = self.signal
+        if sig is None:
+            return f"{where} exited with code {self.returncode}"
+        return f"{where} was killed by signal {signal_name(sig)} ({sig})"
+
+    def report(self, stopped: int = 0) -> list[str]:
+        """The root-cause message, one string per line, for the end of the launcher's output.
+
+        Args:
+            stopped: how many other ranks the launcher had to stop because of this failure.
+        """
+        after = (f"first failure; {stopped} other rank(s) were stopped" if stopped
+                 else "no other rank was running")
+        lines = [f"job failed: {self.describe()} ({after})"]
+        hint = _SIGNAL_HINTS.get(self.signal or 0)
+        if hint:
+            lines.append(f"HINT: {signal_name(self.signal or 0)} usually means {hint}.")
+        if self.stderr_tail:
+            lines.append(f"last lines of rank {self.rank}'s stderr:")
+            lines.extend(f"  {line}" for line in self.stderr_tail)
+        else:
+            lines.append(f"rank {self.rank} wrote nothing to stderr.")
+        return lines
+
+
+__all__ = ["WorkerFailure", "exit_status", "signal_name"]

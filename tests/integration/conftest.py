@@ -1,0 +1,51 @@
+"""Run real multi-process jobs through `hora run`, with a hard timeout and full cleanup."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+WORKER = str(Path(__file__).with_name("worker.py"))
+
+
+@dataclass
+class Job:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def lines(self, prefix: str) -> list[str]:
+        """Payloads of stdout lines (rank prefix stripped) that start with ``prefix``."""
+        out = []
+        for line in self.stdout.splitlines():
+            _, _, payload = line.partition(">:")
+            if payload.startswith(prefix):
+                out.append(payload)
+        return out
+
+
+def run_job(np_: int, *args: str, timeout: float = 60, env: dict[str, str] | None = None,
+            launcher_args: tuple[str, ...] = ()) -> Job:
+    """`hora run -np N python worker.py ARGS`, killed (whole process group) after ``timeout``."""
+    cmd = [sys.executable, "-m", "hora.runner.cli", "run", "-np", str(np_), *launcher_args,
+           sys.executable, WORKER, *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"job did not finish in {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return Job(proc.returncode, out, err)

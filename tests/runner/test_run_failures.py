@@ -1,0 +1,116 @@
+"""Failure handling of ``hora run``: the first failure decides, nothing is left running."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from .helpers import PY, Launcher, run_hora, wait_dead, worker, write_pid
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="reads /proc to check pids")
+
+
+def pid_file(tmp_path: Path) -> str:
+    return f"{str(tmp_path)!r} + '/pid.' + os.environ['HORA_RANK']"
+
+
+def test_first_failing_rank_decides_and_the_others_are_stopped(tmp_path: Path) -> None:
+    code = (write_pid(pid_file(tmp_path)) + "\n"
+            "import sys, time\n"
+            "if os.environ['HORA_RANK'] == '1':\n"
+            f"    while not all(os.path.exists({str(tmp_path)!r} + f'/pid.{{r}}') for r in (0, 2)):"
+            "\n        time.sleep(0.01)\n"
+            "    print('about to fail', file=sys.stderr)\n"
+            "    raise SystemExit(3)\n"
+            "time.sleep(60)\n")
+    with Launcher("run", "-np", "3", *worker(code)) as launcher:
+        pids = launcher.read_pids(tmp_path / f"pid.{r}" for r in range(3))
+        result = launcher.wait(20)
+    assert result.rc == 3
+    assert result.seconds < 10  # the sleeping ranks were stopped, not waited for
+    assert wait_dead(pids, 2.0) == []
+    messages = "\n".join(result.hora_messages())
+    assert "rank 1 of 3 on localhost exited with code 3" in messages
+    assert "stopping the other 2 rank(s)" in messages
+    # Root cause repeated at the end, with the failed rank's last stderr lines.
+    assert result.hora_messages()[-1] == "  about to fail"
+
+
+def test_rank_killed_by_a_signal_gives_128_plus_n() -> None:
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    result = run_hora("run", "-np", "2", *worker(code))
+    assert result.rc == 128 + signal.SIGKILL
+    assert "was killed by signal SIGKILL (9)" in result.err
+    assert "out-of-memory" in result.err  # the hint for SIGKILL
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_the_launcher_stops_every_rank(tmp_path: Path, signum: int) -> None:
+    code = write_pid(pid_file(tmp_path)) + "; import time; time.sleep(60)"
+    with Launcher("run", "-np", "2", *worker(code)) as launcher:
+        pids = launcher.read_pids(tmp_path / f"pid.{r}" for r in range(2))
+        launcher.proc.send_signal(signum)
+        result = launcher.wait(15)
+    assert result.rc == 128 + signum  # 130 for Ctrl-C, 143 for SIGTERM
+    assert result.seconds < 10
+    assert wait_dead(pids, 2.0) == []
+    assert f"received {signal.Signals(signum).name}; stopping 2 rank(s)" in result.err
+
+
+def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path) -> None:
+    # The launcher's grace period is a module constant; shorten it for this test.
+    shortened = ("import sys, hora.runner.local as local; local.GRACE_PERIOD_S = 1.0; "
+                 "from hora.runner.cli import main; sys.exit(main(sys.argv[1:]))")
+    argv = [PY, "-c", shortened]
+    code = (write_pid(pid_file(tmp_path)) + "\n"
+            "import signal, time\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "if os.environ['HORA_RANK'] == '1':\n"
+            f"    while not os.path.exists({str(tmp_path)!r} + '/pid.0'): time.sleep(0.01)\n"
+            "    raise SystemExit(1)\n"
+            "time.sleep(60)\n")
+    with Launcher(argv=[*argv, "run", "-np", "2", *worker(code)]) as launcher:
+        pids = launcher.read_pids([tmp_path / "pid.0"])
+        result = launcher.wait(20)
+    assert result.rc == 1
+    assert 1.0 <= result.seconds < 8
+    assert wait_dead(pids, 2.0) == []
+
+
+def test_processes_left_behind_by_a_successful_rank_are_stopped(tmp_path: Path) -> None:
+    # The grandchild keeps the rank's stdout open: the launcher must neither hang on it nor
+    # leave it running.
+    child = tmp_path / "child"
+    code = ("import subprocess, sys; "
+            f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(child)!r}, 'w').write(str(p.pid)); print('started')")
+    result = run_hora("run", "-np", "1", *worker(code), timeout=20)
+    assert result.rc == 0, result.err
+    assert result.lines() == {0: ["started"]}
+    assert result.seconds < 10
+    assert "left processes running" in result.err
+    assert wait_dead([int(child.read_text())], 2.0) == []
+
+
+def test_ranks_die_with_a_launcher_killed_by_sigkill(tmp_path: Path) -> None:
+    code = write_pid(pid_file(tmp_path)) + "; import time; time.sleep(60)"
+    with Launcher("run", "-np", "2", *worker(code)) as launcher:
+        pids = launcher.read_pids(tmp_path / f"pid.{r}" for r in range(2))
+        launcher.proc.kill()
+        launcher.proc.wait(5)
+        assert wait_dead(pids, 5.0) == []
+
+
+def test_command_not_found_exits_127() -> None:
+    result = run_hora("run", "-np", "2", "no-such-program-hora-test")
+    assert result.rc == 127
+    assert "cannot start rank 0: 'no-such-program-hora-test'" in result.err
+
+
+def test_all_ranks_succeed_exit_0() -> None:
+    result = run_hora("run", "-np", "4", *worker("pass"))
+    assert (result.rc, result.err) == (0, "")
