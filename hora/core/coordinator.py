@@ -75,7 +75,7 @@ class Coordinator:
                 self._order.remove(key)
                 why = "; ".join(f"rank {r}: {self._departed[r]}" for r in gone)
                 self._out.append(_error(req, f"Horovod has been shut down: op '{req.name}' needs "
-                                             f"ranks that already shut down ({why})."))
+                                             f"ranks that already shut down ({why}).", ERROR_SHUTDOWN))
 
     def depart(self, rank: int, reason: str) -> None:
         """A rank shut down cleanly: ops that need it can never complete."""
@@ -88,7 +88,8 @@ class Coordinator:
                 self._order.remove(key)
                 any_req = next(iter(entry.requests.values()))
                 self._out.append(_error(any_req, f"Horovod has been shut down: rank {rank} shut "
-                                                 f"down ({reason}) before submitting '{name}'."))
+                                                 f"down ({reason}) before submitting '{name}'.",
+                                      ERROR_SHUTDOWN))
 
     def _join(self, req: Request, members: list[int]) -> None:
         joined = self._joined.setdefault(req.set_id, [])
@@ -178,7 +179,8 @@ class Coordinator:
                 failed.append(_error(next(iter(entry.requests.values())),
                                      f"Stalled for {age:.0f} s: tensor '{name}' was submitted by "
                                      f"ranks {sorted(entry.requests)} but never by ranks {missing}"
-                                     f" (HORA_STALL_SHUTDOWN_TIME_SECONDS={fail_after:g})."))
+                                     f" (HORA_STALL_SHUTDOWN_TIME_SECONDS={fail_after:g}).",
+                                     ERROR_STALL))
                 continue
             entry.warned_at = now
             for r in missing:
@@ -198,8 +200,13 @@ class Coordinator:
         return [name for _, name in self._order]
 
 
-def _error(req: Request, message: str) -> Response:
-    return Response(kind=OpKind.ERROR, names=[req.name], set_id=req.set_id, error=message)
+ERROR_MISMATCH, ERROR_SHUTDOWN, ERROR_STALL = 0, 1, 2
+"""Codes carried in an ERROR response's ``value``: which exception type the ranks raise."""
+
+
+def _error(req: Request, message: str, code: int = ERROR_MISMATCH) -> Response:
+    return Response(kind=OpKind.ERROR, names=[req.name], set_id=req.set_id, error=message,
+                    value=code)
 
 
 def _fmt(value: object) -> str:

@@ -77,7 +77,7 @@ class Engine:
                 raise ValueError(f"{_DUPLICATE} (name: '{entry.request.name}'; give each "
                                  "in-flight op a distinct name=)")
             self._names.add(key)
-        entry.handle.add_done_callback(lambda _h: self._release(key))
+        entry.handle.add_done_callback(lambda _h: self._release(key), early=True)
         self._queue.append(entry)
         self.transport.wake()
 
@@ -103,14 +103,20 @@ class Engine:
         next_check = time.monotonic() + check_every
         try:
             while not self._stop.is_set():
-                self._take_submissions()
-                wait = None if self._coordinator is None else max(0.0, next_check - time.monotonic())
-                self._receive(wait)
+                busy = self._take_submissions()
+                busy = self._receive(0.0) or busy
                 if self._coordinator is not None:
                     if time.monotonic() >= next_check:
                         next_check = time.monotonic() + check_every
                         self._dispatch(self._coordinator.check_stalls())
-                    self._dispatch(self._coordinator.ready())
+                    busy = self._dispatch(self._coordinator.ready()) or busy
+                if not busy and not self._stop.is_set():
+                    # Nothing to do: sleep until a control message, a submission (wake) or the
+                    # next stall check. Whatever arrives is handled on the next pass.
+                    wait = None
+                    if self._coordinator is not None:
+                        wait = max(0.0, next_check - time.monotonic())
+                    self._receive(wait)
             self._say_goodbye()
         except HoraError as exc:
             self._abort(exc)
@@ -122,24 +128,29 @@ class Engine:
                 "Horovod has been shut down. This was caused by an exception on one of the "
                 "ranks or an attempt to use an op after shutdown()."))
 
-    def _take_submissions(self) -> None:
+    def _take_submissions(self) -> bool:
         requests: list[Request] = []
         while self._queue:
             entry = self._queue.popleft()
             self._pending[entry.request.name] = entry
             requests.append(entry.request)
         if not requests:
-            return
+            return False
         if self._coordinator is not None:
             self._coordinator.add(requests)
         else:
             self.transport.send_control(0, encode(MSG_REQUESTS, reqs=requests))
+        return True
 
-    def _receive(self, wait: float | None) -> None:
-        """Handle every control message available; block up to ``wait`` for the first."""
+    def _receive(self, wait: float | None) -> bool:
+        """Handle every control message available; block up to ``wait`` for the first.
+
+        Returns True if any message was handled.
+        """
         timeout = wait
         if self._queue or self._stop.is_set():
             timeout = 0.0
+        handled = False
         while True:
             try:
                 msg = self.transport.recv_control(timeout)
@@ -148,8 +159,9 @@ class Engine:
                     continue  # it said goodbye first: a clean exit
                 raise
             if msg is None:
-                return
+                return handled
             timeout = 0.0
+            handled = True
             sender, payload = msg
             kind, body = decode(payload)
             if kind == MSG_REQUESTS and self._coordinator is not None:
@@ -164,16 +176,16 @@ class Engine:
                     "Horovod has been shut down: rank 0 called shutdown() or exited; no more "
                     "collectives can run in this job.")
                 self._stop.set()
-                return
+                return True
             elif kind == MSG_ABORT:
                 raise HoraInternalError(str(body.get("reason", "another rank failed")))
             if self._stop.is_set():
-                return
+                return True
 
-    def _dispatch(self, responses: list[Response]) -> None:
+    def _dispatch(self, responses: list[Response]) -> bool:
         """Rank 0: send responses to the members that must run them, then run them here."""
         if not responses:
-            return
+            return False
         by_peer: dict[int, list[Response]] = {}
         for resp in responses:
             members = self.registry.ranks(resp.set_id) or []
@@ -185,6 +197,7 @@ class Engine:
         for peer, resps in by_peer.items():
             self.transport.send_control(peer, encode(MSG_RESPONSES, resps=resps))
         self._execute(responses)
+        return True
 
     def _execute(self, responses: list[Response]) -> None:
         for resp in responses:

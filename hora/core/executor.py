@@ -24,9 +24,14 @@ from hora.config import Config
 from hora.core.handle import Handle
 from hora.core.messages import OpKind, Request, Response
 from hora.core.process_set import Registry
-from hora.errors import MismatchError
+from hora.core.coordinator import ERROR_SHUTDOWN, ERROR_STALL
+from hora.errors import HoraInternalError, HoraTimeoutError, MismatchError, ShutdownError
 
 log = get_logger(__name__)
+
+_ERROR_TYPES: dict[int, type[HoraInternalError]] = {
+    ERROR_SHUTDOWN: ShutdownError, ERROR_STALL: HoraTimeoutError,
+}
 
 
 @dataclass
@@ -84,7 +89,8 @@ class Executor:
             for name in resp.names:
                 entry = entries.pop(name, None)
                 if entry is not None:
-                    entry.handle.set_error(MismatchError(resp.error))
+                    error_type = _ERROR_TYPES.get(resp.value, MismatchError)
+                    entry.handle.set_error(error_type(resp.error))
             return
         if kind in (OpKind.BARRIER, OpKind.JOIN, OpKind.REMOVE_PROCESS_SET,
                     OpKind.ADD_PROCESS_SET):

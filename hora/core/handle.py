@@ -20,7 +20,7 @@ class Handle:
     :class:`~hora.errors.HoraInternalError` subclass that failed it.
     """
 
-    __slots__ = ("name", "_event", "_result", "_error", "_callbacks", "_lock")
+    __slots__ = ("name", "_event", "_result", "_error", "_callbacks", "_early", "_lock")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -28,6 +28,7 @@ class Handle:
         self._result: Any = None
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[Handle], None]] = []
+        self._early: list[Callable[[Handle], None]] = []
         self._lock = threading.Lock()
 
     def done(self) -> bool:
@@ -58,11 +59,15 @@ class Handle:
         """Same as ``wait()``."""
         return self.wait()
 
-    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
-        """Call ``fn(handle)`` when done (at once if already done), on the completing thread."""
+    def add_done_callback(self, fn: Callable[[Handle], None], early: bool = False) -> None:
+        """Call ``fn(handle)`` when done (at once if already done), on the completing thread.
+
+        ``early`` callbacks run before any waiter wakes up (the engine uses this to free the
+        op's name, so a waiter may reuse it at once); they must not wait on the handle.
+        """
         with self._lock:
             if not self._event.is_set():
-                self._callbacks.append(fn)
+                (self._early if early else self._callbacks).append(fn)
                 return
         fn(self)
 
@@ -77,6 +82,8 @@ class Handle:
             if self._event.is_set():
                 return
             self._result, self._error = value, error
+            for fn in self._early:
+                fn(self)
             self._event.set()
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:

@@ -143,6 +143,18 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
 }
 
 
+_REQ_LISTS = {"shape": 1, "splits": 1, "ranks": 1}
+_RESP_LISTS = {"names": 1, "joined": 1, "ranks": 1, "shapes": 2, "first_dims": 2, "splits": 3}
+
+
+def _nested_ok(value: Any, depth: int, leaf: type) -> bool:
+    if not isinstance(value, list):
+        return False
+    if depth == 1:
+        return all(isinstance(v, leaf) and not isinstance(v, bool) for v in value)
+    return all(_nested_ok(v, depth - 1, leaf) for v in value)
+
+
 def _build(cls: type[Any], raw: Any) -> Any:
     if not isinstance(raw, dict):
         raise TypeError(f"{cls.__name__} must be an object")
@@ -152,9 +164,9 @@ def _build(cls: type[Any], raw: Any) -> Any:
         want = _FIELD_TYPES.get(key)
         if want is not None and (not isinstance(value, want) or isinstance(value, bool)):
             raise TypeError(f"field {key!r} has type {type(value).__name__}")
-    for key in ("shape", "splits", "ranks", "names", "joined"):
+    nested = _REQ_LISTS if cls is Request else _RESP_LISTS
+    for key, depth in nested.items():
         value = raw.get(key)
-        if value is not None and not (isinstance(value, list)
-                                      and all(isinstance(v, (int, str)) for v in value)):
-            raise TypeError(f"field {key!r} must be a flat list")
+        if value is not None and not _nested_ok(value, depth, str if key == "names" else int):
+            raise TypeError(f"field {key!r} must be a list nested {depth} deep")
     return cls(**raw)

@@ -32,7 +32,7 @@ class ProcessSet:
     def _registry_rank(self) -> int:
         from hora.core import context  # late import: context imports this module
 
-        return context.rank()
+        return context.get("ProcessSet.rank").rank
 
     def size(self) -> int | None:
         """Number of ranks, or None if not registered."""

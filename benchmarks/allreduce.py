@@ -1,0 +1,170 @@
+"""Allreduce: hora vs torch.distributed (gloo), side by side in one job; and star vs ring.
+
+    python benchmarks/allreduce.py                      # 2 ranks, 4 KiB .. 256 MiB, hora vs gloo
+    python benchmarks/allreduce.py --max-mib 64 --np 2
+    python benchmarks/allreduce.py --algorithms         # star vs ring at 2, 3, 4 ranks
+
+Both libraries run in the same processes, interleaved per size (A B A B ...), because this
+machine's speed swings 2-6x within minutes: only ratios from one job mean anything. Reported:
+median time per allreduce, and bus bandwidth = 2 (n-1)/n * bytes / time (the NCCL-tests
+convention; the bytes each rank must move for a bandwidth-optimal allreduce).
+hora is measured through its full engine (``hora.allreduce``: negotiation, queueing, completion).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _launch(np_: int, args: list[str], env: dict[str, str] | None = None) -> int:
+    cmd = [sys.executable, "-m", "hora.runner.cli", "run", "-np", str(np_), sys.executable,
+           __file__, *args]
+    return subprocess.call(cmd, env={**os.environ, **(env or {})})
+
+
+def _sizes(max_mib: int) -> list[int]:
+    sizes, n = [], 4096
+    while n <= max_mib * 1024 * 1024:
+        sizes.append(n)
+        n *= 4
+    return sizes
+
+
+def _reps(nbytes: int) -> int:
+    return max(3, min(200, int(64 * 1024 * 1024 / max(nbytes, 1))))
+
+
+def _busbw(nbytes: int, n: int, seconds: float) -> float:
+    return 2 * (n - 1) / n * nbytes / seconds / 1e9
+
+
+def _fmt_size(nbytes: int) -> str:
+    return f"{nbytes // 1024} KiB" if nbytes < 1024 * 1024 else f"{nbytes // (1024 * 1024)} MiB"
+
+
+def worker_vs_gloo(max_mib: int, rounds: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import hora
+    from hora.collectives.select import select_allreduce
+    from hora.core import context
+
+    torch.set_num_threads(1)
+    hora.init()
+    rank, n = hora.rank(), hora.size()
+    port = hora.broadcast_object(_free_port() if rank == 0 else None, 0, name="port")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=n)
+    cfg = context.get().config
+    rows = []
+    for nbytes in _sizes(max_mib):
+        count = nbytes // 4
+        x_np = np.ones(count, np.float32)
+        x_t = torch.ones(count, dtype=torch.float32)
+        reps = _reps(nbytes)
+        times: dict[str, list[float]] = {"hora": [], "gloo": []}
+        hora.allreduce(x_np, op=hora.Sum, name="warm")  # warm-up both
+        dist.all_reduce(x_t)
+        for _ in range(rounds):
+            for lib in ("hora", "gloo"):
+                dist.barrier()
+                for _ in range(max(1, reps // rounds)):
+                    t0 = time.perf_counter()
+                    if lib == "hora":
+                        hora.allreduce_(x_np, op=hora.Sum, name="bench")
+                    else:
+                        dist.all_reduce(x_t)
+                    times[lib].append(time.perf_counter() - t0)
+        # every rank's median; report the slowest rank (the op is done when the last rank is)
+        med = {lib: max(hora.allgather_object(statistics.median(t), name=f"m{lib}{nbytes}"))
+               for lib, t in times.items()}
+        algo = select_allreduce(nbytes, n, cfg.allreduce_algorithm, cfg.small_allreduce_bytes)
+        rows.append((nbytes, algo, med["hora"], med["gloo"]))
+    if rank == 0:
+        print(f"\nallreduce float32, {n} ranks, 1 thread each; median per op; "
+              "busbw = 2(n-1)/n * bytes / time")
+        print(f"{'size':>9} | {'hora algo':>9} {'hora us':>10} {'hora GB/s':>9} | "
+              f"{'gloo us':>10} {'gloo GB/s':>9} | {'hora/gloo bw':>12}")
+        for nbytes, algo, th, tg in rows:
+            print(f"{_fmt_size(nbytes):>9} | {algo:>9} {th * 1e6:10.1f} "
+                  f"{_busbw(nbytes, n, th):9.3f} | {tg * 1e6:10.1f} {_busbw(nbytes, n, tg):9.3f}"
+                  f" | {tg / th:11.2f}x")
+    dist.destroy_process_group()
+    hora.shutdown()
+
+
+def worker_algorithms(mib: list[int], reps: int) -> None:
+    import hora
+    from hora.collectives.allreduce import ring_allreduce, star_allreduce
+    from hora.core import context
+
+    hora.init()
+    comm = context.get().engine.transport.comm()
+    rank, n = hora.rank(), hora.size()
+    out = []
+    for size in mib:
+        buf = np.ones(size * 1024 * 1024 // 4, np.float32)
+        scratch = np.empty(buf.nbytes, np.uint8)
+        times: dict[str, list[float]] = {"star": [], "ring": []}
+        for _ in range(reps):
+            for name, fn in (("star", star_allreduce), ("ring", ring_allreduce)):
+                hora.barrier()
+                t0 = time.perf_counter()
+                fn(comm, buf, hora.Sum, scratch)
+                times[name].append(time.perf_counter() - t0)
+        med = {k: max(hora.allgather_object(statistics.median(v), name=f"a{k}{size}"))
+               for k, v in times.items()}
+        out.append((size, med["star"], med["ring"]))
+    if rank == 0:
+        for size, ts, tr in out:
+            print(f"ALGO {n} ranks {size:4d} MiB | star {ts * 1e3:8.1f} ms "
+                  f"{_busbw(size << 20, n, ts):6.3f} GB/s | ring {tr * 1e3:8.1f} ms "
+                  f"{_busbw(size << 20, n, tr):6.3f} GB/s | star/ring time {ts / tr:5.2f}x")
+    hora.shutdown()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--np", type=int, default=2)
+    parser.add_argument("--max-mib", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=4, help="ABAB rounds per size")
+    parser.add_argument("--algorithms", action="store_true", help="star vs ring at 2, 3, 4 ranks")
+    parser.add_argument("--algo-mib", type=int, nargs="+", default=[4, 32])
+    parser.add_argument("--worker", choices=["gloo", "algos"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker == "gloo":
+        worker_vs_gloo(args.max_mib, args.rounds)
+    elif args.worker == "algos":
+        worker_algorithms(args.algo_mib, args.rounds)
+    elif args.algorithms:
+        for n in (2, 3, 4):
+            rc = _launch(n, ["--worker", "algos", "--rounds", str(args.rounds), "--algo-mib",
+                             *map(str, args.algo_mib)])
+            if rc:
+                sys.exit(rc)
+    else:
+        sys.exit(_launch(args.np, ["--worker", "gloo", "--max-mib", str(args.max_mib),
+                                   "--rounds", str(args.rounds)]))
+
+
+if __name__ == "__main__":
+    main()
