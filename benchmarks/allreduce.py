@@ -70,8 +70,8 @@ def worker_vs_gloo(max_mib: int, rounds: int) -> None:
     rows = []
     for nbytes in _sizes(max_mib):
         count = nbytes // 4
-        x_np = np.ones(count, np.float32)
-        x_t = torch.ones(count, dtype=torch.float32)
+        x_np = np.zeros(count, np.float32)  # zeros: repeated in-place sums never overflow
+        x_t = torch.zeros(count, dtype=torch.float32)
         reps = _reps(nbytes)
         times: dict[str, list[float]] = {"hora": [], "gloo": []}
         hora.allreduce(x_np, op=hora.Sum, name="warm")  # warm-up both

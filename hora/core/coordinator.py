@@ -213,9 +213,20 @@ def _fmt(value: object) -> str:
     return str(list(value)) if isinstance(value, (list, tuple)) else str(value)
 
 
+def _signature(r: Request) -> tuple[object, ...]:
+    shape = r.shape if r.kind not in (OpKind.ALLGATHER, OpKind.ALLTOALL) else r.shape[1:]
+    return (r.kind, r.dtype, r.device, tuple(shape), len(r.shape), r.op, r.prescale,
+            r.postscale, r.root)
+
+
 def _validate(name: str, reqs: list[Request]) -> str:
     """Return a mismatch message (identical on every rank) or '' if all requests agree."""
     first = reqs[0]
+    if len(reqs) == 1 or all(_signature(r) == _signature(first) for r in reqs[1:]):
+        # The common case: everything that must agree does. Only scalars need a closer look.
+        if not (first.kind in (OpKind.ALLGATHER, OpKind.ALLTOALL, OpKind.REDUCESCATTER)
+                and len(first.shape) == 0):
+            return ""
     kind = first.kind.value
 
     def differ(field_name: str, label: str, horovod: str, hint: str) -> str:

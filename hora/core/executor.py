@@ -6,6 +6,7 @@ executed identically (same algorithm, same sizes) by every member of its process
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -126,7 +127,7 @@ class Executor:
         dtype = to_dtype(resp.dtype)
         local = [entries.pop(n, None) for n in resp.names]
         try:
-            sizes = [int(np.prod(s, dtype=np.int64)) for s in resp.shapes]
+            sizes = [math.prod(s) for s in resp.shapes]
             total = sum(sizes)
             single = len(local) == 1 and local[0] is not None and local[0].output is not None
             if single:

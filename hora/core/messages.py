@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hora.errors import HoraInternalError
@@ -87,6 +87,11 @@ MSG_ABORT = "abort"    # either way: the job is failing; {"reason": str}
 MSG_SHUTDOWN = "shutdown"  # coordinator -> worker: rank 0 shut down
 
 
+_FIELDS: dict[type, tuple[str, ...]] = {
+    cls: tuple(f.name for f in fields(cls)) for cls in (Request, Response)
+}
+
+
 class ProtocolError(HoraInternalError):
     """A control message could not be parsed (corrupt, or not from hora)."""
 
@@ -102,7 +107,8 @@ def encode(kind: str, **payload: Any) -> bytes:
 
 
 def _plain(obj: Request | Response) -> dict[str, Any]:
-    d = asdict(obj)
+    # Not dataclasses.asdict: it deep-copies every list, and this runs for every op.
+    d = {name: getattr(obj, name) for name in _FIELDS[type(obj)]}
     d["kind"] = obj.kind.value
     return d
 
