@@ -21,7 +21,8 @@ from __future__ import annotations
 import io
 import pickle
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 

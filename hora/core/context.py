@@ -13,8 +13,9 @@ import json
 import os
 import socket
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import hora.config as config_mod
 from hora._util import log as hlog
@@ -130,8 +131,9 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
             try:
                 transport = TcpTransport.create(
                     info.rank, info.size, store, scope=f"hora.init.{_generation}",
-                    secret=info.secret, bind_host=_bind_host(info.store_host, config),
-                    hostname=info.hostname, timeout=config.start_timeout)
+                    secret=info.secret, bind_host=_bind_host(info.store_host or "", config),
+                    hostname=info.hostname, timeout=config.timeout_seconds,
+                    connect_timeout=config.start_timeout)
             except BaseException:
                 for c in closers:
                     c.close()
@@ -184,7 +186,7 @@ def shutdown() -> None:
             for closer in ctx.closers:
                 try:
                     closer.close()
-                except Exception:  # noqa: BLE001 - best effort on the way out
+                except Exception:
                     log.debug("error while closing %r", closer, exc_info=True)
             global_process_set.ranks = []
             hlog.set_rank(None, None)

@@ -74,8 +74,9 @@ class Coordinator:
                 del self._table[key]
                 self._order.remove(key)
                 why = "; ".join(f"rank {r}: {self._departed[r]}" for r in gone)
-                self._out.append(_error(req, f"Horovod has been shut down: op '{req.name}' needs "
-                                             f"ranks that already shut down ({why}).", ERROR_SHUTDOWN))
+                self._out.append(_error(
+                    req, f"Horovod has been shut down: op '{req.name}' needs ranks that "
+                         f"already shut down ({why}).", ERROR_SHUTDOWN))
 
     def depart(self, rank: int, reason: str) -> None:
         """A rank shut down cleanly: ops that need it can never complete."""

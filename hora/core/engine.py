@@ -27,8 +27,16 @@ from hora.config import Config
 from hora.core.coordinator import Coordinator
 from hora.core.executor import Entry, Executor
 from hora.core.messages import (
-    MSG_ABORT, MSG_BYE, MSG_REQUESTS, MSG_RESPONSES, MSG_SHUTDOWN, OpKind, Request, Response,
-    decode, encode,
+    MSG_ABORT,
+    MSG_BYE,
+    MSG_REQUESTS,
+    MSG_RESPONSES,
+    MSG_SHUTDOWN,
+    OpKind,
+    Request,
+    Response,
+    decode,
+    encode,
 )
 from hora.core.process_set import Registry
 from hora.errors import HoraError, HoraInternalError, PeerLostError, ShutdownError
@@ -120,7 +128,7 @@ class Engine:
             self._say_goodbye()
         except HoraError as exc:
             self._abort(exc)
-        except Exception as exc:  # noqa: BLE001 - any bug must fail ops loudly, not hang them
+        except Exception as exc:
             log.exception("hora engine failed")
             self._abort(HoraInternalError(f"hora engine failed: {exc!r}"))
         finally:

@@ -7,8 +7,9 @@ executed identically (same algorithm, same sizes) by every member of its process
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -22,10 +23,10 @@ from hora.collectives.ops import ReduceOp, scale_inplace, to_dtype
 from hora.collectives.reducescatter import reducescatter
 from hora.collectives.select import select_allreduce
 from hora.config import Config
+from hora.core.coordinator import ERROR_SHUTDOWN, ERROR_STALL
 from hora.core.handle import Handle
 from hora.core.messages import OpKind, Request, Response
 from hora.core.process_set import Registry
-from hora.core.coordinator import ERROR_SHUTDOWN, ERROR_STALL
 from hora.errors import HoraInternalError, HoraTimeoutError, MismatchError, ShutdownError
 
 log = get_logger(__name__)

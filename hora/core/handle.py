@@ -8,7 +8,8 @@ by ``shutdown``) to handles; it lives in the core so no adapter keeps its own ma
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from hora.errors import HoraInternalError, HoraTimeoutError
 
@@ -20,7 +21,7 @@ class Handle:
     :class:`~hora.errors.HoraInternalError` subclass that failed it.
     """
 
-    __slots__ = ("name", "_event", "_result", "_error", "_callbacks", "_early", "_lock")
+    __slots__ = ("_callbacks", "_early", "_error", "_event", "_lock", "_result", "name")
 
     def __init__(self, name: str) -> None:
         self.name = name

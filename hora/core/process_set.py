@@ -8,7 +8,8 @@ by the coordinator), so ids agree everywhere.
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 class ProcessSet:

@@ -6,8 +6,8 @@ One implementation, used by the launcher (slot assignment) and by workers starte
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)

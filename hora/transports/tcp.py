@@ -154,9 +154,12 @@ class TcpTransport(Transport):
             RendezvousTimeoutError: some ranks never published their address (lists them).
             RendezvousError: the store failed.
             HoraTimeoutError: some ranks published but never connected (lists them).
-            TransportError: a peer could not be reached; AuthenticationError when a peer
-                rejected our credentials.
+            TransportError: a peer could not be reached or ``bind_host`` is not local;
+                AuthenticationError (a subclass) when a peer rejected our credentials.
+            ValueError: ``rank`` is not in ``0..size-1``.
         """
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is not in 0..{size - 1}")
         deadline = time.monotonic() + (timeout if connect_timeout is None else connect_timeout)
         if size == 1:
             return cls(rank, size, [hostname], {}, {}, timeout)
@@ -549,7 +552,7 @@ def _gather_entries(store: KVStoreClient, scope: str, rank: int, size: int,
         try:
             entry = json.loads(raw[str(r)])
             entry["port"] = int(entry["port"])
-            str(entry["host"]), str(entry["hostname"])
+            entry["host"], entry["hostname"] = str(entry["host"]), str(entry["hostname"])
         except (ValueError, KeyError, TypeError):
             raise RendezvousError(f"rank {r} published a malformed address in scope {scope!r}; "
                                   "are all ranks running the same hora version?") from None

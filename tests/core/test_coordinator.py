@@ -8,9 +8,8 @@ import pytest
 
 from hora.config import Config
 from hora.core.coordinator import Coordinator
-from hora.core.messages import OpKind, Request, Response, decode, encode
+from hora.core.messages import OpKind, ProtocolError, Request, Response, decode, encode
 from hora.core.process_set import Registry
-from hora.core.messages import ProtocolError
 
 
 def make(size: int = 3, **cfg: object) -> tuple[Coordinator, Registry]:

@@ -20,10 +20,10 @@ def test_allreduce_any_submission_order(world: Any) -> None:
     handles: dict[tuple[int, str], Any] = {}
     for r in range(3):
         order = names if r != 1 else names[::-1]
-        for i, name in enumerate(order):
+        for name in order:
             k = names.index(name)
             handles[r, name] = w.submit(r, name, np.full(k + 1, r + k, np.float32), op=SUM)
-    for (r, name), h in handles.items():
+    for (_r, name), h in handles.items():
         k = names.index(name)
         np.testing.assert_array_equal(h.wait(10), np.full(k + 1, 3 * k + 3, np.float32))
 
@@ -47,7 +47,7 @@ def test_many_small_tensors_fuse_correctly(world: Any) -> None:
     w = world(2, fusion_threshold=1024)
     hs = {(r, i): w.submit(r, f"g{i}", np.arange(i, i + 7, dtype=np.float64) * (r + 1), op=SUM)
           for i in range(50) for r in range(2)}
-    for (r, i), h in hs.items():
+    for (_r, i), h in hs.items():
         np.testing.assert_array_equal(h.wait(10), np.arange(i, i + 7, dtype=np.float64) * 3)
 
 

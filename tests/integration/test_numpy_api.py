@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 def test_issue_acceptance_command() -> None:
     job = run_job(4, "simple")
     assert job.returncode == 0, job.stderr
-    lines = sorted(l for l in job.stdout.splitlines() if "OK simple" in l)
+    lines = sorted(ln for ln in job.stdout.splitlines() if "OK simple" in ln)
     assert len(lines) == 4
     for r, line in enumerate(lines):
         assert line.startswith(f"[{r}]<stdout>:OK simple rank {r} size 4 local {r}")
@@ -58,7 +58,7 @@ def test_init_shutdown_init() -> None:
 def test_bad_input_messages() -> None:
     job = run_job(2, "bad_input")
     assert job.returncode == 0, job.stderr
-    assert all("hvd.init()" in l for l in job.lines("NOTINIT")) and job.lines("NOTINIT")
+    assert all("hvd.init()" in ln for ln in job.lines("NOTINIT")) and job.lines("NOTINIT")
     dtype = job.lines("DTYPE")[0]
     assert "complex64" in dtype and "float32" in dtype and "bfloat16" in dtype
     assert "same name as another tensor" in job.lines("DUP")[0]

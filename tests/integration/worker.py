@@ -98,7 +98,7 @@ def dead_rank() -> None:
 
 
 def reinit() -> None:
-    for i in range(3):
+    for _ in range(3):
         hora.init()
         assert hora.is_initialized()
         assert hora.allreduce(np.ones(2), op=hora.Sum, name="x")[0] == hora.size()

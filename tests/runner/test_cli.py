@@ -262,7 +262,7 @@ def test_check_imports_no_framework_and_the_runner_no_engine() -> None:
     assert out.stdout.strip() == "[]"
 
 
-# ---- entry points as installed ---------------------------------------------------------------------
+# ---- entry points as installed ----------------------------------------------------------
 
 def test_console_script_and_horovodrun_spelling() -> None:
     script = Path(sys.executable).parent / "hora"
