@@ -13,19 +13,31 @@ rules; see :mod:`hora.core.api` for the shared contract.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from hora.collectives.ops import (
-    Adasum, Average, Max, Min, Product, ReduceOp, Sum, SUPPORTED_DTYPES,
+    SUPPORTED_DTYPES,
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    ReduceOp,
+    Sum,
 )
 from hora.core import api as _api
 from hora.core import context as _context
-from hora.core.context import init, is_initialized, shutdown
 from hora.core.api import add_process_set, allgather_object, remove_process_set
+from hora.core.context import init, is_initialized, shutdown
 from hora.core.handle import Handle
 from hora.core.process_set import ProcessSet, global_process_set
 from hora.errors import (
-    HoraError, HoraInternalError, HorovodInternalError, HostsUpdatedInterrupt, MismatchError,
+    HoraError,
+    HoraInternalError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    MismatchError,
     NotInitializedError,
 )
 
@@ -274,15 +286,64 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 
 
 __all__ = [
-    "Adasum", "Average", "Handle", "HoraError", "HoraInternalError", "HorovodInternalError",
-    "HostsUpdatedInterrupt", "Max", "Min", "MismatchError", "NotInitializedError", "Product",
-    "ProcessSet", "ReduceOp", "SUPPORTED_DTYPES", "Sum", "add_process_set", "allgather",
-    "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
-    "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
-    "broadcast_object", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
-    "global_process_set", "gloo_built", "gloo_enabled", "grouped_allreduce", "init",
-    "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "mpi_built",
-    "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter",
-    "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
-    "start_timeline", "stop_timeline", "synchronize",
+    "SUPPORTED_DTYPES",
+    "Adasum",
+    "Average",
+    "Handle",
+    "HoraError",
+    "HoraInternalError",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "Max",
+    "Min",
+    "MismatchError",
+    "NotInitializedError",
+    "ProcessSet",
+    "Product",
+    "ReduceOp",
+    "Sum",
+    "add_process_set",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_object",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "grouped_allreduce",
+    "init",
+    "is_homogeneous",
+    "is_initialized",
+    "join",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "poll",
+    "rank",
+    "reducescatter",
+    "reducescatter_async",
+    "remove_process_set",
+    "rocm_built",
+    "shutdown",
+    "size",
+    "start_timeline",
+    "stop_timeline",
+    "synchronize",
 ]

@@ -291,5 +291,13 @@ def markdown_table(knobs: tuple[Knob, ...] = KNOBS) -> str:
     return "\n".join(rows) + "\n"
 
 
-__all__ = ["Config", "KNOBS", "KNOBS_BY_NAME", "Knob", "cli_value_to_env", "load",
-           "markdown_table", "parse_value"]
+__all__ = [
+    "KNOBS",
+    "KNOBS_BY_NAME",
+    "Config",
+    "Knob",
+    "cli_value_to_env",
+    "load",
+    "markdown_table",
+    "parse_value",
+]
