@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 
 import pytest
 
@@ -85,3 +87,72 @@ def test_join_uneven_data() -> None:
     job = run_job(3, "join")
     assert job.returncode == 0, job.stdout + job.stderr
     assert sorted(job.lines("OK join")) == [f"OK join rank {r} last 2" for r in range(3)]
+
+
+def _spawn_all(envs: list[dict[str, str]], scenario: str, timeout: float = 60) -> list[str]:
+    """Start one worker per env dict ourselves (no hora run), as an external launcher would."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from .conftest import WORKER
+
+    procs = [subprocess.Popen([sys.executable, WORKER, scenario], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                              env={**{k: v for k, v in os.environ.items()
+                                      if not k.startswith(("HORA_", "HOROVOD_"))}, **e})
+             for e in envs]
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            assert p.returncode == 0, out
+            outs.append(out)
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return outs
+
+
+def test_torchrun_environment_without_hora_run() -> None:
+    from hora._util.net import free_port
+
+    port, store_port = str(free_port()), str(free_port())
+    envs = [{"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
+             "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+             "HORA_RENDEZVOUS_PORT": store_port, "HORA_START_TIMEOUT": "20"} for r in range(2)]
+    outs = _spawn_all(envs, "simple")
+    for r, out in enumerate(outs):
+        assert f"OK simple rank {r} size 2 local {r} sum [1.0, 1.0, 1.0]" in out
+
+
+def test_mpirun_environment_without_hora_run() -> None:
+    envs = [{"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": "3",
+             "OMPI_COMM_WORLD_LOCAL_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_SIZE": "3",
+             "OMPI_MCA_orte_ess_jobid": f"{os.getpid()}", "HORA_START_TIMEOUT": "20"}
+            for r in range(3)]
+    outs = _spawn_all(envs, "simple")
+    for r, out in enumerate(outs):
+        assert f"OK simple rank {r} size 3 local {r} sum [3.0, 3.0, 3.0]" in out
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None,
+                    reason="Open MPI's mpirun is not installed (apt-get install openmpi-bin)")
+def test_real_mpirun_launch() -> None:
+    import subprocess
+    import sys
+
+    from .conftest import WORKER
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))},
+           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "HORA_START_TIMEOUT": "20"}
+    proc = subprocess.run(["mpirun", "--oversubscribe", "-np", "2", sys.executable, WORKER,
+                           "simple"], capture_output=True, text=True, timeout=90, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in range(2):
+        assert f"OK simple rank {r} size 2 local {r} sum [1.0, 1.0, 1.0]" in proc.stdout
