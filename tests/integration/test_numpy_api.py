@@ -151,8 +151,18 @@ def test_real_mpirun_launch() -> None:
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))},
            "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "HORA_START_TIMEOUT": "20"}
-    proc = subprocess.run(["mpirun", "--oversubscribe", "-np", "2", sys.executable, WORKER,
-                           "simple"], capture_output=True, text=True, timeout=90, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import signal
+
+    proc = subprocess.Popen(["mpirun", "--oversubscribe", "-np", "2", sys.executable, WORKER,
+                             "simple"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, out
     for r in range(2):
-        assert f"OK simple rank {r} size 2 local {r} sum [1.0, 1.0, 1.0]" in proc.stdout
+        assert f"OK simple rank {r} size 2 local {r} sum [1.0, 1.0, 1.0]" in out
