@@ -91,6 +91,45 @@ class Handle:
             fn(self)
 
 
+class DerivedHandle(Handle):
+    """A handle whose result is ``convert(inner result)``, computed once, by the first waiter.
+
+    Framework adapters wrap the core's handle in one of these so that ``synchronize`` returns a
+    framework tensor: the conversion (``torch.from_numpy``, a copy back to a GPU, ...) runs in the
+    waiting thread, never on the engine thread, and no adapter needs a map from handles to
+    tensors. ``done()`` and callbacks follow the inner handle; errors pass through unchanged.
+    """
+
+    __slots__ = ("_inner", "_convert", "_converted", "_value")
+
+    def __init__(self, inner: Handle, convert: Callable[[Any], Any]) -> None:
+        super().__init__(inner.name)
+        self._inner = inner
+        self._convert = convert
+        self._converted = False
+        self._value: Any = None
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        raw = self._inner.wait(timeout)
+        with self._lock:
+            if not self._converted:
+                self._value = self._convert(raw)
+                self._converted = True
+            return self._value
+
+    def add_done_callback(self, fn: Callable[[Handle], None], early: bool = False) -> None:
+        self._inner.add_done_callback(lambda _h: fn(self), early)
+
+    def set_result(self, value: Any) -> None:
+        raise TypeError("a DerivedHandle is completed by its inner handle")
+
+    def set_error(self, error: BaseException) -> None:
+        raise TypeError("a DerivedHandle is completed by its inner handle")
+
+
 class HandleTable:
     """Integer handles as Horovod hands them out (1, 2, 3, ...)."""
 
@@ -128,4 +167,4 @@ class HandleTable:
             self._next = 1
 
 
-__all__ = ["Handle", "HandleTable", "HoraInternalError"]
+__all__ = ["DerivedHandle", "Handle", "HandleTable", "HoraInternalError"]
