@@ -123,3 +123,11 @@ def check_scratch(scratch: Array | None) -> None:
         check_array(scratch, "scratch", writable=True)
         if scratch.dtype != np.uint8:
             raise ValueError(f"scratch must be a uint8 array, got dtype {scratch.dtype}")
+
+
+def check_allreduce_args(buf: Array, op: ReduceOp | int, scratch: Array | None) -> ReduceOp:
+    """The argument checks every allreduce algorithm starts with; returns the element-wise op."""
+    check_array(buf, "allreduce buffer", writable=True)
+    check_reducible(buf, "allreduce buffer")
+    check_scratch(scratch)
+    return elementwise_op(op)

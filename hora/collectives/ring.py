@@ -21,11 +21,8 @@ from collections.abc import Sequence
 
 from hora.collectives._buffers import (
     Array,
+    check_allreduce_args,
     as_bytes,
-    check_array,
-    check_reducible,
-    check_scratch,
-    elementwise_op,
     even_counts,
     offsets,
     scratch_array,
@@ -107,10 +104,7 @@ def ring_allreduce(comm: Comm, buf: Array, op: ReduceOp, scratch: Array | None =
         NotImplementedError: ``op`` is Adasum.
         PeerLostError, HoraTimeoutError: from the transport, naming the peer.
     """
-    check_array(buf, "allreduce buffer", writable=True)
-    check_reducible(buf, "allreduce buffer")
-    op = elementwise_op(op)
-    check_scratch(scratch)
+    op = check_allreduce_args(buf, op, scratch)
     size = comm.size
     if size == 1 or buf.size == 0:
         return

@@ -20,11 +20,8 @@ import numpy as np
 
 from hora.collectives._buffers import (
     Array,
+    check_allreduce_args,
     as_bytes,
-    check_array,
-    check_reducible,
-    check_scratch,
-    elementwise_op,
     scratch_array,
 )
 from hora.collectives.comm import Comm
@@ -49,10 +46,7 @@ def small_allreduce(comm: Comm, buf: Array, op: ReduceOp, scratch: Array | None 
         NotImplementedError: ``op`` is Adasum.
         PeerLostError, HoraTimeoutError: from the transport, naming the peer.
     """
-    check_array(buf, "allreduce buffer", writable=True)
-    check_reducible(buf, "allreduce buffer")
-    op = elementwise_op(op)
-    check_scratch(scratch)
+    op = check_allreduce_args(buf, op, scratch)
     size, rank = comm.size, comm.rank
     if size == 1 or buf.size == 0:
         return

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 from hora.collectives._buffers import (
     Array,
+    check_allreduce_args,
     as_bytes,
-    check_array,
-    check_reducible,
-    check_scratch,
-    elementwise_op,
     scratch_array,
 )
 from hora.collectives.comm import Comm
@@ -44,10 +41,7 @@ def star_allreduce(comm: Comm, buf: Array, op: ReduceOp, scratch: Array | None =
         NotImplementedError: ``op`` is Adasum.
         PeerLostError, HoraTimeoutError: from the transport, naming the peer.
     """
-    check_array(buf, "allreduce buffer", writable=True)
-    check_reducible(buf, "allreduce buffer")
-    op = elementwise_op(op)
-    check_scratch(scratch)
+    op = check_allreduce_args(buf, op, scratch)
     size = comm.size
     if size == 1 or buf.size == 0:
         return
