@@ -37,6 +37,7 @@ class Knob:
         cli_scale: the CLI value is multiplied by this to get the env value (MB -> bytes).
         choices: allowed values for ``str`` knobs (lower-case), or None.
         minimum: smallest allowed value for numbers.
+        maximum: largest allowed value for numbers, or None.
         hora_only: True for knobs Horovod does not have.
         implemented: False for Horovod knobs accepted for compatibility with no effect yet.
     """
@@ -51,6 +52,7 @@ class Knob:
     cli_scale: int = 1
     choices: tuple[str, ...] | None = None
     minimum: float | None = 0
+    maximum: float | None = None
     hora_only: bool = False
     implemented: bool = True
 
@@ -102,8 +104,13 @@ KNOBS: tuple[Knob, ...] = (
        "Turn off the stall inspector (CLI: --no-stall-check)."),
     _k("stall_check_time_seconds", float, 60.0, "--stall-check-warning-time-seconds",
        "Warn, naming the missing ranks, when a tensor waits this long for some ranks."),
-    _k("stall_shutdown_time_seconds", float, 0.0, "--stall-check-shutdown-time-seconds",
-       "Fail the op on every rank after this long a stall (0 = never, as Horovod)."),
+    _k("stall_shutdown_time_seconds", float, 600.0, "--stall-check-shutdown-time-seconds",
+       "Fail a stalled op on every rank after this many seconds (0 = never, Horovod's default; "
+       "hora's is 600: see docs/faults.md)."),
+    _k("heartbeat_timeout_seconds", float, 30.0, "--heartbeat-timeout-seconds",
+       "hora-only: a rank that sends nothing (not even its heartbeat, every quarter of this) "
+       "for this long is declared lost: hung, stopped or unreachable. 0 disables.",
+       alias=False),
     _k("start_timeout", float, 30.0, "--start-timeout",
        "Seconds allowed for all ranks to start and meet at the rendezvous."),
     # --- observability ---
@@ -127,6 +134,14 @@ KNOBS: tuple[Knob, ...] = (
        "Autotune fusion threshold and cycle time (accepted; not implemented yet).",
        implemented=False),
     _k("autotune_log", str, "", "--autotune-log-file", "Autotune CSV log.", implemented=False),
+    _k("autotune_warmup_samples", int, 3, "--autotune-warmup-samples",
+       "Autotune: samples discarded at the start.", implemented=False),
+    _k("autotune_steps_per_sample", int, 10, "--autotune-steps-per-sample",
+       "Autotune: steps per sample.", implemented=False),
+    _k("autotune_bayes_opt_max_samples", int, 20, "--autotune-bayes-opt-max-samples",
+       "Autotune: Bayesian optimisation samples.", implemented=False),
+    _k("autotune_gaussian_process_noise", float, 0.8, "--autotune-gaussian-process-noise",
+       "Autotune: Gaussian process noise, in [0, 1].", maximum=1.0, implemented=False),
     _k("thread_affinity", str, "", "--thread-affinity",
        "Core list for the background thread (accepted; no effect).", implemented=False),
     _k("num_nccl_streams", int, 1, "--num-nccl-streams", "NCCL streams (accepted; no effect).",
@@ -189,6 +204,10 @@ def parse_value(knob: Knob, raw: str, source: str) -> Any:
         raise ConfigError(
             f"{source}={raw!r}: knob '{knob.name}' must be >= {knob.minimum}. {knob.doc}"
         )
+    if knob.maximum is not None and value > knob.maximum:
+        raise ConfigError(
+            f"{source}={raw!r}: knob '{knob.name}' must be <= {knob.maximum}. {knob.doc}"
+        )
     return value
 
 
@@ -210,7 +229,8 @@ class Config:
     gloo_timeout_seconds: float = 30.0
     stall_check_disable: bool = False
     stall_check_time_seconds: float = 60.0
-    stall_shutdown_time_seconds: float = 0.0
+    stall_shutdown_time_seconds: float = 600.0
+    heartbeat_timeout_seconds: float = 30.0
     start_timeout: float = 30.0
     timeline: str = ""
     timeline_mark_cycles: bool = False
@@ -220,6 +240,10 @@ class Config:
     hostname: str = ""
     autotune: bool = False
     autotune_log: str = ""
+    autotune_warmup_samples: int = 3
+    autotune_steps_per_sample: int = 10
+    autotune_bayes_opt_max_samples: int = 20
+    autotune_gaussian_process_noise: float = 0.8
     thread_affinity: str = ""
     num_nccl_streams: int = 1
     mpi_threads_disable: bool = False

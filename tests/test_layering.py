@@ -14,9 +14,11 @@ ALLOWED: dict[str, set[str]] = {
     "hora.config": {"hora.errors"},
     "hora.collectives": BASE | {"hora.collectives"},
     "hora.rendezvous": BASE | {"hora.rendezvous"},
+    "hora.timeline": BASE | {"hora.timeline"},
     "hora.transports": BASE | {"hora.transports", "hora.collectives.comm", "hora.rendezvous"},
-    "hora.core": BASE | {"hora.core", "hora.collectives", "hora.transports", "hora.rendezvous"},
-    "hora.runner": BASE | {"hora.runner", "hora.rendezvous"},
+    "hora.core": BASE | {"hora.core", "hora.collectives", "hora.transports", "hora.rendezvous",
+                         "hora.timeline"},
+    "hora.runner": BASE | {"hora.runner", "hora.rendezvous", "hora.timeline"},
     "hora.torch": BASE | {"hora.torch", "hora.core", "hora.collectives.ops", "hora"},
     "hora": BASE | {"hora.core", "hora.collectives.ops"},
 }

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from hora.collectives.ops import ReduceOp, check_dtype
+from hora.collectives.ops import ReduceOp, check_dtype, scale_inplace
 from hora.core import context
 from hora.core.executor import Entry
 from hora.core.handle import Handle
@@ -100,11 +100,13 @@ def allreduce_async(tensor: Any, *, name: str | None = None, op: int = ReduceOp.
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set,
                     inplace: bool = False, output: np.ndarray | None = None,
-                    prefix: str = "allreduce") -> Handle:
+                    prefix: str = "allreduce", device: str = "cpu") -> Handle:
     """Reduce ``tensor`` element-wise across the set: ``postscale * op(prescale * x_i)``.
 
     Average divides the Sum by the set size (integer dtypes truncate toward zero, as Horovod).
     Resolves to the result array (``tensor`` itself when ``inplace``; ``output`` when given).
+    ``device`` is the kind of device the caller's tensor lives on (``"cpu"``, ``"cuda"``); ranks
+    that disagree get Horovod's "CPU/GPU device selection" mismatch error.
     """
     ctx = context.get("allreduce")
     op = ReduceOp(op)
@@ -123,7 +125,8 @@ def allreduce_async(tensor: Any, *, name: str | None = None, op: int = ReduceOp.
         out = output if output is not None else np.empty_like(work)
     req = Request(name=_full_name(ctx, prefix, name), kind=OpKind.ALLREDUCE, rank=ctx.rank,
                   set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape),
-                  op=int(op), prescale=float(prescale_factor), postscale=float(postscale_factor))
+                  op=int(op), prescale=float(prescale_factor), postscale=float(postscale_factor),
+                  device=device)
     return _submit(ctx, req, work, out, finish)
 
 
@@ -131,7 +134,7 @@ def grouped_allreduce_async(tensors: Sequence[Any], *, name: str | None = None,
                             op: int = ReduceOp.Average, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set,
-                            inplace: bool = False) -> Handle:
+                            inplace: bool = False, device: str = "cpu") -> Handle:
     """Allreduce a list of tensors as one group; resolves to the list of results."""
     ctx = context.get("grouped_allreduce")
     base = name or f"noname.{ctx.next_id()}"
@@ -139,7 +142,8 @@ def grouped_allreduce_async(tensors: Sequence[Any], *, name: str | None = None,
     members = [allreduce_async(t, name=f"{base}_{i + 1}of{n}", op=op,
                                prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                                process_set=process_set, inplace=inplace,
-                               prefix="grouped_allreduce") for i, t in enumerate(tensors)]
+                               prefix="grouped_allreduce", device=device)
+               for i, t in enumerate(tensors)]
     return _join_handles(f"grouped_allreduce.{base}", members)
 
 
@@ -164,7 +168,8 @@ def _join_handles(name: str, members: list[Handle]) -> Handle:
 
 
 def allgather_async(tensor: Any, *, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> Handle:
+                    process_set: ProcessSet = global_process_set, prefix: str = "allgather",
+                    device: str = "cpu") -> Handle:
     """Concatenate every rank's tensor along dimension 0, in rank order within the set.
 
     First dimensions may differ across ranks; the other dimensions must agree.
@@ -172,14 +177,15 @@ def allgather_async(tensor: Any, *, name: str | None = None,
     ctx = context.get("allgather")
     set_id, _ = _set_ranks(ctx, process_set)
     work = _contiguous(tensor, "allgather input")
-    req = Request(name=_full_name(ctx, "allgather", name), kind=OpKind.ALLGATHER, rank=ctx.rank,
-                  set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape))
+    req = Request(name=_full_name(ctx, prefix, name), kind=OpKind.ALLGATHER, rank=ctx.rank,
+                  set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape),
+                  device=device)
     return _submit(ctx, req, work, None)
 
 
 def broadcast_async(tensor: Any, root_rank: int, *, name: str | None = None,
                     process_set: ProcessSet = global_process_set,
-                    inplace: bool = False) -> Handle:
+                    inplace: bool = False, device: str = "cpu") -> Handle:
     """Copy ``root_rank``'s tensor (a global rank, member of the set) to every member."""
     ctx = context.get("broadcast")
     set_id, ranks = _set_ranks(ctx, process_set)
@@ -192,15 +198,16 @@ def broadcast_async(tensor: Any, root_rank: int, *, name: str | None = None,
     out = work if inplace else np.empty_like(work)
     req = Request(name=_full_name(ctx, "broadcast", name), kind=OpKind.BROADCAST, rank=ctx.rank,
                   set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape),
-                  root=int(root_rank))
+                  root=int(root_rank), device=device)
     return _submit(ctx, req, work, out, finish)
 
 
 def alltoall_async(tensor: Any, splits: Sequence[int] | None = None, *, name: str | None = None,
-                   process_set: ProcessSet = global_process_set) -> Handle:
+                   process_set: ProcessSet = global_process_set, device: str = "cpu") -> Handle:
     """Send ``splits[j]`` rows (dimension 0) to rank ``j``; resolves to
     ``(received, received_splits)``. Without ``splits`` the rows are divided evenly (the first
-    dimension must then be divisible by the set size)."""
+    dimension must then be divisible by the set size). As in Horovod, rows beyond
+    ``sum(splits)`` are not sent."""
     ctx = context.get("alltoall")
     set_id, ranks = _set_ranks(ctx, process_set)
     work = _contiguous(tensor, "alltoall input")
@@ -209,26 +216,31 @@ def alltoall_async(tensor: Any, splits: Sequence[int] | None = None, *, name: st
     n = len(ranks)
     if splits is None:
         if work.shape[0] % n:
-            raise ValueError(f"alltoall without splits needs the first dimension "
-                             f"({work.shape[0]}) to be divisible by the number of ranks ({n})")
+            raise ValueError(f"splits not provided, but first dimension of tensor is not an even "
+                             f"multiple of the number of workers: alltoall without splits needs "
+                             f"the first dimension ({work.shape[0]}) to be divisible by the "
+                             f"number of ranks ({n})")
         split_list = [work.shape[0] // n] * n
     else:
         split_list = [int(s) for s in np.asarray(splits).reshape(-1)]
         if len(split_list) != n or any(s < 0 for s in split_list):
             raise ValueError(f"alltoall splits must have one non-negative entry per rank ({n}), "
                              f"got {split_list}")
-        if sum(split_list) != work.shape[0]:
-            raise ValueError(f"alltoall splits sum to {sum(split_list)} but the first dimension "
-                             f"is {work.shape[0]}")
+        if sum(split_list) > work.shape[0]:
+            raise ValueError(f"alltoall splits sum to {sum(split_list)}, more than the first "
+                             f"dimension {work.shape[0]}")
+        if sum(split_list) < work.shape[0]:
+            work = work[:sum(split_list)]
     req = Request(name=_full_name(ctx, "alltoall", name), kind=OpKind.ALLTOALL, rank=ctx.rank,
                   set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape),
-                  splits=split_list)
+                  splits=split_list, device=device)
     return _submit(ctx, req, work, None)
 
 
 def reducescatter_async(tensor: Any, *, name: str | None = None, op: int = ReduceOp.Average,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                        process_set: ProcessSet = global_process_set) -> Handle:
+                        process_set: ProcessSet = global_process_set,
+                        prefix: str = "reducescatter", device: str = "cpu") -> Handle:
     """Reduce across the set, then give rank ``i`` its share of dimension 0 (the first
     ``dim0 % size`` ranks get one extra row). Ops: Sum and Average."""
     ctx = context.get("reducescatter")
@@ -238,13 +250,81 @@ def reducescatter_async(tensor: Any, *, name: str | None = None, op: int = Reduc
         raise ValueError("Reducescatter currently only supports AVERAGE and SUM.")
     work = _contiguous(tensor, "reducescatter input")
     if work.ndim == 0:
-        raise ValueError("reducescatter needs a tensor with at least one dimension, not a "
-                         "scalar")
-    req = Request(name=_full_name(ctx, "reducescatter", name), kind=OpKind.REDUCESCATTER,
+        raise ValueError("Reducescatter does not support scalar inputs: reducescatter needs a "
+                         "tensor with at least one dimension")
+    req = Request(name=_full_name(ctx, prefix, name), kind=OpKind.REDUCESCATTER,
                   rank=ctx.rank, set_id=set_id, dtype=check_dtype(work.dtype),
                   shape=list(work.shape), op=int(op), prescale=float(prescale_factor),
-                  postscale=float(postscale_factor))
+                  postscale=float(postscale_factor), device=device)
     return _submit(ctx, req, work, None)
+
+
+# ---- grouped and sparse forms (built on the single ops above) --------------------------------
+def grouped_allgather_async(tensors: Sequence[Any], *, name: str | None = None,
+                            process_set: ProcessSet = global_process_set,
+                            device: str = "cpu") -> Handle:
+    """Allgather each tensor of a list (names ``grouped_allgather.<base>_<i>of<n>``); resolves
+    to the list of gathered arrays."""
+    ctx = context.get("grouped_allgather")
+    base = name or f"noname.{ctx.next_id()}"
+    n = len(tensors)
+    members = [allgather_async(t, name=f"{base}_{i + 1}of{n}", process_set=process_set,
+                               prefix="grouped_allgather", device=device)
+               for i, t in enumerate(tensors)]
+    return _join_handles(f"grouped_allgather.{base}", members)
+
+
+def grouped_reducescatter_async(tensors: Sequence[Any], *, name: str | None = None,
+                                op: int = ReduceOp.Average, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0,
+                                process_set: ProcessSet = global_process_set,
+                                device: str = "cpu") -> Handle:
+    """Reducescatter each tensor of a list (names ``grouped_reducescatter.<base>_<i>of<n>``);
+    resolves to the list of this rank's shares."""
+    ctx = context.get("grouped_reducescatter")
+    base = name or f"noname.{ctx.next_id()}"
+    n = len(tensors)
+    members = [reducescatter_async(t, name=f"{base}_{i + 1}of{n}", op=op,
+                                   prescale_factor=prescale_factor,
+                                   postscale_factor=postscale_factor, process_set=process_set,
+                                   prefix="grouped_reducescatter", device=device)
+               for i, t in enumerate(tensors)]
+    return _join_handles(f"grouped_reducescatter.{base}", members)
+
+
+def sparse_allreduce_async(values: Any, indices: Any, *, name: str,
+                           op: int = ReduceOp.Average,
+                           process_set: ProcessSet = global_process_set,
+                           device: str = "cpu") -> Handle:
+    """Horovod's sparse "allreduce": allgather the non-zero ``values`` (nnz first) and their
+    ``indices`` (shape ``[nnz, ndim]``, nnz first) as ``<name>.values`` / ``<name>.indices``.
+
+    Resolves to ``(values, indices)`` concatenated in rank order (duplicate indices are not
+    coalesced). With op Average the values are divided by the set size (in their own dtype);
+    Sum leaves them; other ops raise ValueError.
+    """
+    op = ReduceOp(op)
+    if op not in (ReduceOp.Sum, ReduceOp.Average):
+        raise ValueError(f"sparse allreduce supports only Average and Sum, not {op.name}")
+    _, ranks = _set_ranks(context.get("sparse_allreduce"), process_set)
+    h_values = allgather_async(values, name=f"{name}.values", process_set=process_set,
+                               device=device)
+    h_indices = allgather_async(indices, name=f"{name}.indices", process_set=process_set,
+                                device=device)
+    both = _join_handles(f"sparse_allreduce.{name}", [h_values, h_indices])
+    out = Handle(both.name)
+
+    def finish(h: Handle) -> None:
+        try:
+            gathered_values, gathered_indices = h.wait(0)
+            if op is ReduceOp.Average:
+                scale_inplace(gathered_values, 1.0 / len(ranks))
+            out.set_result((gathered_values, gathered_indices))
+        except BaseException as exc:  # noqa: BLE001 - the op's failure is the handle's failure
+            out.set_error(exc)
+
+    both.add_done_callback(finish)
+    return out
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:

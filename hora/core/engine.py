@@ -29,6 +29,7 @@ from hora.core.executor import Entry, Executor
 from hora.core.messages import (
     MSG_ABORT,
     MSG_BYE,
+    MSG_HEARTBEAT,
     MSG_REQUESTS,
     MSG_RESPONSES,
     MSG_SHUTDOWN,
@@ -66,6 +67,12 @@ class Engine:
         self._stop = threading.Event()
         self._error: HoraInternalError | None = None
         self._departed: set[int] = set()
+        # Heartbeats: control peers must be heard from within heartbeat_timeout_seconds.
+        self._hb_timeout = config.heartbeat_timeout_seconds
+        now = time.monotonic()
+        peers = range(1, self.size) if self.rank == 0 else ([0] if self.size > 1 else [])
+        self._last_heard: dict[int, float] = {p: now for p in peers}
+        self._last_beat = now
         self._thread = threading.Thread(target=self._run, name="hora-engine", daemon=True)
 
     # ---- user side ---------------------------------------------------------------------------
@@ -111,6 +118,7 @@ class Engine:
         next_check = time.monotonic() + check_every
         try:
             while not self._stop.is_set():
+                self._heartbeat()
                 busy = self._take_submissions()
                 busy = self._receive(0.0) or busy
                 if self._coordinator is not None:
@@ -121,9 +129,12 @@ class Engine:
                 if not busy and not self._stop.is_set():
                     # Nothing to do: sleep until a control message, a submission (wake) or the
                     # next stall check. Whatever arrives is handled on the next pass.
-                    wait = None
+                    wait: float | None = None
                     if self._coordinator is not None:
                         wait = max(0.0, next_check - time.monotonic())
+                    if self._hb_timeout > 0:
+                        beat = max(0.0, self._last_beat + self._hb_timeout / 4 - time.monotonic())
+                        wait = beat if wait is None else min(wait, beat)
                     self._receive(wait)
             self._say_goodbye()
         except HoraError as exc:
@@ -135,6 +146,24 @@ class Engine:
             self._fail_all(self._error or ShutdownError(
                 "Horovod has been shut down. This was caused by an exception on one of the "
                 "ranks or an attempt to use an op after shutdown()."))
+
+    def _heartbeat(self) -> None:
+        """Send our heartbeat when due; declare a control peer lost after a silent timeout."""
+        if self._hb_timeout <= 0 or not self._last_heard:
+            return
+        now = time.monotonic()
+        if now - self._last_beat >= self._hb_timeout / 4:
+            self._last_beat = now
+            beat = encode(MSG_HEARTBEAT)
+            for peer in self._last_heard:
+                self.transport.send_control(peer, beat)
+        for peer, heard in self._last_heard.items():
+            if now - heard > self._hb_timeout:
+                raise PeerLostError(
+                    f"{self.transport.describe(peer)} sent nothing for {now - heard:.0f} s, not "
+                    f"even a heartbeat (HORA_HEARTBEAT_TIMEOUT_SECONDS={self._hb_timeout:g}): it "
+                    "is hung, stopped (e.g. SIGSTOP, a debugger) or its host is unreachable",
+                    peer=peer)
 
     def _take_submissions(self) -> bool:
         requests: list[Request] = []
@@ -171,13 +200,17 @@ class Engine:
             timeout = 0.0
             handled = True
             sender, payload = msg
+            self._last_heard[sender] = time.monotonic()
             kind, body = decode(payload)
-            if kind == MSG_REQUESTS and self._coordinator is not None:
+            if kind == MSG_HEARTBEAT:
+                pass
+            elif kind == MSG_REQUESTS and self._coordinator is not None:
                 self._coordinator.add(body["reqs"])
             elif kind == MSG_RESPONSES and self._coordinator is None:
                 self._execute(body["resps"])
             elif kind == MSG_BYE and self._coordinator is not None:
                 self._departed.add(sender)
+                self._last_heard.pop(sender, None)
                 self._coordinator.depart(sender, "it called shutdown() or exited")
             elif kind == MSG_SHUTDOWN:
                 self._error = ShutdownError(
@@ -208,6 +241,15 @@ class Engine:
         return True
 
     def _execute(self, responses: list[Response]) -> None:
+        try:
+            self._execute_all(responses)
+        finally:
+            # While a collective ran nobody's messages were read: don't count that as silence.
+            now = time.monotonic()
+            for peer in self._last_heard:
+                self._last_heard[peer] = now
+
+    def _execute_all(self, responses: list[Response]) -> None:
         for resp in responses:
             members = self.registry.ranks(resp.set_id)
             in_set = members is not None and self.rank in members

@@ -85,6 +85,7 @@ MSG_RESPONSES = "resp"  # coordinator -> worker: {"resps": [...]}
 MSG_BYE = "bye"        # worker -> coordinator: I am shutting down cleanly
 MSG_ABORT = "abort"    # either way: the job is failing; {"reason": str}
 MSG_SHUTDOWN = "shutdown"  # coordinator -> worker: rank 0 shut down
+MSG_HEARTBEAT = "hb"   # either way: I am alive (sent when idle, every heartbeat_timeout / 4)
 
 
 _FIELDS: dict[type, tuple[str, ...]] = {

@@ -1,4 +1,4 @@
-"""The ``hora`` command line: ``hora run``, ``hora check``, ``hora --version``.
+"""The ``hora`` command line: ``hora run``, ``hora check``, ``hora timeline``, ``hora --version``.
 
 Runner layer (imports only base layers, rendezvous and the runner). ``hora run`` accepts every
 ``horovodrun`` flag with the same meaning; the tunable flags are generated from the knob table
@@ -54,6 +54,9 @@ _GROUPS: tuple[tuple[str, str], ...] = (
 # Group of each knob's generated flag; knobs not listed go to "tunables".
 _KNOB_GROUP: dict[str, str] = {
     "start_timeout": "general", "autotune": "autotune", "autotune_log": "autotune",
+    "autotune_warmup_samples": "autotune", "autotune_steps_per_sample": "autotune",
+    "autotune_bayes_opt_max_samples": "autotune", "autotune_gaussian_process_noise": "autotune",
+    "heartbeat_timeout_seconds": "stall",
     "timeline": "timeline", "timeline_mark_cycles": "timeline",
     "stall_check_time_seconds": "stall", "stall_shutdown_time_seconds": "stall",
     "mpi_threads_disable": "library", "num_nccl_streams": "library",
@@ -80,8 +83,10 @@ _CONFIG_FILE: dict[str, dict[str, tuple[str, bool] | None]] = {
                "hierarchical_allgather": ("hierarchical_allgather", False),
                "torus_allreduce": ("torus_allreduce", False)},
     "autotune": {"enabled": ("autotune", False), "log_file": ("autotune_log", False),
-                 "warmup_samples": None, "steps_per_sample": None,
-                 "bayes_opt_max_samples": None, "gaussian_process_noise": None},
+                 "warmup_samples": ("autotune_warmup_samples", False),
+                 "steps_per_sample": ("autotune_steps_per_sample", False),
+                 "bayes_opt_max_samples": ("autotune_bayes_opt_max_samples", False),
+                 "gaussian_process_noise": ("autotune_gaussian_process_noise", False)},
     "timeline": {"filename": ("timeline", False),
                  "mark_cycles": ("timeline_mark_cycles", False)},
     "stall_check": {"enabled": ("stall_check_disable", True),
@@ -123,6 +128,7 @@ Distributed data-parallel training with Horovod's API, in pure Python.
 commands:
   run      launch a job on this host:  {PROG} run -np 4 python train.py
   check    show frameworks, transports and launchers (also: {PROG} run --check-build)
+  timeline summarize a timeline file:  {PROG} timeline timeline.json
 
 options:
   -h, --help     show this help and exit
@@ -248,16 +254,6 @@ def build_run_parser() -> argparse.ArgumentParser:
     s = groups["ssh"]
     s.add_argument("-p", "--ssh-port", type=_positive_int, metavar="PORT", help="ssh port")
     s.add_argument("-i", "--ssh-identity-file", metavar="FILE", help="ssh private key")
-
-    a = groups["autotune"]
-    a.add_argument("--autotune-warmup-samples", type=_non_negative(int), metavar="N",
-                   help="[default: 3]")
-    a.add_argument("--autotune-steps-per-sample", type=_non_negative(int), metavar="N",
-                   help="[default: 10]")
-    a.add_argument("--autotune-bayes-opt-max-samples", type=_non_negative(int), metavar="N",
-                   help="[default: 20]")
-    a.add_argument("--autotune-gaussian-process-noise", type=_non_negative(float, 1.0),
-                   metavar="X", help="in [0, 1] [default: 0.8]")
 
     e = groups["elastic"]
     e.add_argument("--min-np", "--min-num-proc", dest="min_np", type=_positive_int,
@@ -511,6 +507,13 @@ def run_main(argv: Sequence[str]) -> int:
         return 1
 
 
+def timeline_main(argv: Sequence[str]) -> int:
+    """``hora timeline FILE ...``: summarize a timeline (see :mod:`hora.timeline.summary`)."""
+    from hora.timeline.summary import main as summary_main
+
+    return summary_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The ``hora`` console script. Returns the exit status."""
     args = sys.argv[1:] if argv is None else list(argv)
@@ -529,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_main(args[1:])
         if first == "check":
             return check.main(args[1:])
+        if first == "timeline":
+            return timeline_main(args[1:])
         if first in ("-cb", "--check-build"):
             return check.main([], checklist_first=True)
         if first.startswith("-"):  # horovodrun's spelling: hora -np 4 python train.py

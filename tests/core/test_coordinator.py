@@ -150,7 +150,7 @@ def test_departed_rank_fails_waiting_and_new_ops() -> None:
 
 
 def test_stall_warning_names_missing_ranks(caplog: pytest.LogCaptureFixture) -> None:
-    coord, _ = make(3, stall_check_time_seconds=1.0)
+    coord, _ = make(3, stall_check_time_seconds=1.0, stall_shutdown_time_seconds=0.0)
     coord.add([req(0, "allreduce.slow")])
     coord.add([req(2, "allreduce.slow")])
     with caplog.at_level(logging.WARNING, logger="hora"):

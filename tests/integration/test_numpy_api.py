@@ -51,6 +51,16 @@ def test_vanished_rank_fails_the_others_fast() -> None:
     assert len(job.lines("NEXT")) == 2
 
 
+def test_stopped_rank_is_detected_by_heartbeat() -> None:
+    job = run_job(3, "stopped_rank", timeout=60, env={"HORA_HEARTBEAT_TIMEOUT_SECONDS": "2"})
+    errors = job.lines("ERR")
+    assert len(errors) == 2, job.stdout + job.stderr
+    for line in errors:
+        seconds = float(re.search(r"after ([\d.]+)s", line).group(1))  # type: ignore[union-attr]
+        assert seconds < 10, line
+        assert "rank 2" in line and "heartbeat" in line
+
+
 def test_init_shutdown_init() -> None:
     job = run_job(2, "reinit")
     assert job.returncode == 0, job.stderr

@@ -97,6 +97,25 @@ def dead_rank() -> None:
         print(f"NEXT {type(exc).__name__}")
 
 
+def stopped_rank() -> None:
+    """The last rank stops (SIGSTOP): alive but silent. The others must notice by heartbeat."""
+    import signal
+
+    hora.init()
+    r, n = hora.rank(), hora.size()
+    pids = hora.allgather_object(os.getpid())
+    if r == n - 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        os._exit(0)  # resumed by rank 0 after the test saw the error
+    t0 = time.monotonic()
+    try:
+        hora.allreduce(np.ones(4), name="never")
+    except hora.HorovodInternalError as exc:
+        print(f"ERR after {time.monotonic() - t0:.1f}s: {exc}", flush=True)
+    if r == 0:
+        os.kill(pids[-1], signal.SIGCONT)
+
+
 def reinit() -> None:
     for _ in range(3):
         hora.init()

@@ -57,7 +57,7 @@ def spec(*argv: str) -> LaunchSpec:
     (("-np", "2", "-x", "HORA_SECRET_KEY=00", "true"), "hora run sets HORA_SECRET_KEY"),
     (("-np", "2", "--network-interface", "nosuch0", "true"),
      "network interface 'nosuch0' does not exist"),
-    (("-np", "2", "--autotune-gaussian-process-noise", "2", "true"), "must be in [0, 1.0]"),
+    (("-np", "2", "--autotune-gaussian-process-noise", "2", "true"), "must be <= 1.0"),
     (("-np", "2", "-hostfile", "/nonexistent/hosts", "true"), "cannot read it"),
 ])
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...],
@@ -118,7 +118,8 @@ def _sample(knob: Any) -> tuple[list[str], str]:
     if knob.type is int:
         return [knob.cli, "3"], str(3 * knob.cli_scale)
     if knob.type is float:
-        return [knob.cli, "2.5"], "2.5"
+        value = "0.5" if knob.maximum is not None and knob.maximum < 2.5 else "2.5"
+        return [knob.cli, value], value
     if knob.choices:
         return [knob.cli, knob.choices[-1].upper()], knob.choices[-1]
     return [knob.cli, "some-value"], "some-value"
@@ -179,7 +180,8 @@ def test_config_file_sections_map_to_knobs() -> None:
     assert values == {"fusion_threshold": 32, "cycle_time": 2.0, "hierarchical_allreduce": True,
                       "stall_check_disable": True, "stall_check_time_seconds": 10.0,
                       "log_level": "debug", "log_hide_time": True, "autotune": False,
-                      "timeline": "t.json", "gloo_timeout_seconds": 20.0}
+                      "timeline": "t.json", "gloo_timeout_seconds": 20.0,
+                      "autotune_warmup_samples": 5}
 
 
 @pytest.mark.parametrize(("data", "message"), [

@@ -1,0 +1,71 @@
+"""Gradient compression, framework-neutral: which tensors a compressor casts, and to what.
+
+Horovod's compressor interface is two static methods, ``compress(tensor) -> (tensor, ctx)`` and
+``decompress(tensor, ctx) -> tensor``. The policy (what FP16 compression touches and how it is
+undone) lives here once; a framework adapter supplies a two-method :class:`DtypeHook` (the
+canonical dtype name of a tensor, and a cast to a named dtype) and exposes its own
+``Compression.none`` / ``Compression.fp16`` on its tensor type. :data:`NUMPY` is the hook for
+numpy arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from hora.collectives.ops import dtype_name, to_dtype
+
+FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
+"""Dtypes that :func:`fp16_compress` casts to float16 (every other dtype passes through)."""
+
+
+class DtypeHook(Protocol):
+    """What a framework provides so the compressors can work on its tensors."""
+
+    def dtype_name(self, tensor: Any) -> str:
+        """Canonical dtype name (``'float32'``, ``'bfloat16'``, ...) of ``tensor``."""
+
+    def cast(self, tensor: Any, name: str) -> Any:
+        """``tensor`` converted to the dtype called ``name`` (differentiable where possible)."""
+
+
+def none_compress(tensor: Any, hook: DtypeHook) -> tuple[Any, Any]:
+    """Identity: ``(tensor, None)``."""
+    return tensor, None
+
+
+def none_decompress(tensor: Any, ctx: Any, hook: DtypeHook) -> Any:
+    """Identity."""
+    return tensor
+
+
+def fp16_compress(tensor: Any, hook: DtypeHook) -> tuple[Any, Any]:
+    """Floating-point tensors are cast to float16 (ctx: the original dtype name); others pass
+    through with ctx None. A float16 tensor is returned as is (ctx ``'float16'``)."""
+    name = hook.dtype_name(tensor)
+    if name not in FLOATING:
+        return tensor, None
+    return (tensor if name == "float16" else hook.cast(tensor, "float16")), name
+
+
+def fp16_decompress(tensor: Any, ctx: Any, hook: DtypeHook) -> Any:
+    """Undo :func:`fp16_compress`: cast back to the original floating dtype."""
+    if ctx is None or ctx == "float16":
+        return tensor
+    return hook.cast(tensor, ctx)
+
+
+class _NumpyHook:
+    def dtype_name(self, tensor: Any) -> str:
+        return dtype_name(np.asarray(tensor).dtype)
+
+    def cast(self, tensor: Any, name: str) -> Any:
+        return np.asarray(tensor).astype(to_dtype(name))
+
+
+NUMPY: DtypeHook = _NumpyHook()
+"""The :class:`DtypeHook` for numpy arrays."""
+
+__all__ = ["DtypeHook", "FLOATING", "NUMPY", "fp16_compress", "fp16_decompress",
+           "none_compress", "none_decompress"]

@@ -1,0 +1,118 @@
+"""Framework-neutral rules of Horovod's ``DistributedOptimizer`` (shared by every adapter).
+
+An adapter's optimizer wrapper installs hooks and moves tensors; the decisions live here: which
+constructor arguments are valid, how ``named_parameters`` are checked and named, how parameters
+are split into groups, and how Average is split into pre/post-scale factors around the
+allreduce (``gradient_predivide_factor``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Sequence, TypeVar
+
+from hora.collectives.ops import ReduceOp
+
+T = TypeVar("T")
+
+
+def check_options(op: int, gradient_predivide_factor: float, backward_passes_per_step: int,
+                  num_groups: int, groups: Any) -> Any:
+    """Validate the optimizer options; return the effective ``groups`` (``num_groups`` folded
+    in, with Horovod's DeprecationWarning).
+
+    Raises:
+        ValueError: predivide factor with an op other than Average; ``backward_passes_per_step``
+            not positive; ``groups`` neither a positive int nor a list of lists.
+    """
+    if gradient_predivide_factor != 1.0 and ReduceOp(op) is not ReduceOp.Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed "
+                      "in v0.23.0.", DeprecationWarning, stacklevel=3)
+        if groups is None:
+            groups = num_groups
+    if groups is not None:
+        is_int = isinstance(groups, int) and not isinstance(groups, bool)
+        if not ((is_int and groups > 0) or isinstance(groups, list)):
+            raise ValueError("groups should be a non-negative integer or a list of list of "
+                             "tensors.")
+        if is_int and groups == 0:
+            groups = None
+    return groups
+
+
+def scale_factors(op: int, gradient_predivide_factor: float) -> tuple[float, float]:
+    """``(prescale, postscale)`` for a gradient allreduce: Average is split as
+    ``1/f`` before and ``f`` after (the engine divides by the set size as well); other ops
+    are unscaled."""
+    if ReduceOp(op) is ReduceOp.Average:
+        return 1.0 / gradient_predivide_factor, gradient_predivide_factor
+    return 1.0, 1.0
+
+
+def check_named_parameters(named: list[Any], all_params: Sequence[Any]) -> list[tuple[str, Any]]:
+    """Validate ``named_parameters`` against the optimizer's parameters.
+
+    Raises:
+        ValueError: an element is not a ``(name, parameter)`` tuple; duplicate names (listed);
+            optimizer parameters without a name (their Python ids listed).
+    """
+    if any(not isinstance(item, tuple) for item in named):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                         "usually produced by model.named_parameters().")
+    seen: set[str] = set()
+    dups: list[str] = []
+    for name, _ in named:
+        if name in seen and name not in dups:
+            dups.append(name)
+        seen.add(name)
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
+                         + ", ".join(str(d) for d in dups))
+    named_ids = {id(p) for _, p in named}
+    unnamed = [id(p) for p in all_params if id(p) not in named_ids]
+    if unnamed:
+        raise ValueError("named_parameters was specified, but one or more model parameters "
+                         "were not named. Python object ids: "
+                         + ", ".join(str(i) for i in unnamed))
+    return list(named)
+
+
+def default_names(group_sizes: Sequence[int]) -> list[str]:
+    """Names for parameters when ``named_parameters`` is None:
+    ``allreduce.noname.<group>.<index>`` (unique across param groups)."""
+    return [f"allreduce.noname.{g}.{i}" for g, n in enumerate(group_sizes) for i in range(n)]
+
+
+def split_list(items: Sequence[T], parts: int) -> list[list[T]]:
+    """Split ``items`` into ``parts`` contiguous, nearly equal lists (the first ones longer)."""
+    base, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        out.append(list(items[start:end]))
+        start = end
+    return [group for group in out if group]
+
+
+def check_explicit_groups(groups: list[Any], is_tensor: Any) -> None:
+    """A list of groups must hold tensors (``is_tensor(x)``), each at most once.
+
+    Raises:
+        ValueError: a non-tensor member, or a tensor in two groups.
+    """
+    seen: set[int] = set()
+    for group in groups:
+        for p in group:
+            if not is_tensor(p):
+                raise ValueError("groups must consist of tensors (torch.Tensor).")
+            if id(p) in seen:
+                raise ValueError("A parameter can only appear once in groups.")
+            seen.add(id(p))
+
+
+__all__ = ["check_explicit_groups", "check_named_parameters", "check_options", "default_names",
+           "scale_factors", "split_list"]
