@@ -49,6 +49,9 @@ class Coordinator:
         self._joined: dict[int, list[int]] = {}
         self._departed: dict[int, str] = {}
         self._out: list[Response] = []
+        self._ready_keys: list[tuple[int, str]] = []  # complete, in the order they completed
+        self._ready_set: set[tuple[int, str]] = set()
+        self._hold_until: float | None = None
 
     # ---- input -------------------------------------------------------------------------------
     def add(self, requests: list[Request]) -> None:
@@ -73,10 +76,18 @@ class Coordinator:
             if gone:
                 del self._table[key]
                 self._order.remove(key)
+                self._drop_ready(key)
                 why = "; ".join(f"rank {r}: {self._departed[r]}" for r in gone)
                 self._out.append(_error(
                     req, f"Horovod has been shut down: op '{req.name}' needs ranks that "
                          f"already shut down ({why}).", ERROR_SHUTDOWN))
+                continue
+            self._note_if_ready(key)
+
+    def _drop_ready(self, key: tuple[int, str]) -> None:
+        if key in self._ready_set:
+            self._ready_set.discard(key)
+            self._ready_keys.remove(key)
 
     def depart(self, rank: int, reason: str) -> None:
         """A rank shut down cleanly: ops that need it can never complete."""
@@ -84,7 +95,7 @@ class Coordinator:
         for key in list(self._order):
             set_id, name = key
             members = self._registry.ranks(set_id) or []
-            if rank in members:
+            if rank in members and key not in self._ready_set:
                 entry = self._table.pop(key)
                 self._order.remove(key)
                 any_req = next(iter(entry.requests.values()))
@@ -96,31 +107,65 @@ class Coordinator:
         joined = self._joined.setdefault(req.set_id, [])
         if req.rank not in joined:
             joined.append(req.rank)
+        for key in self._order:  # a join can complete tensors the joined rank never submits
+            if key[0] == req.set_id:
+                self._note_if_ready(key)
         if set(joined) >= set(members):
             self._joined[req.set_id] = []
             self._out.append(Response(kind=OpKind.JOIN, names=[req.name], set_id=req.set_id,
                                       value=req.rank))
 
     # ---- output ------------------------------------------------------------------------------
-    def ready(self) -> list[Response]:
-        """Pop every response that can run now, fused, in execution order."""
+    def _complete(self, key: tuple[int, str]) -> bool:
+        entry = self._table.get(key)
+        members = self._registry.ranks(key[0])
+        if entry is None or members is None:
+            return False
+        have = len(entry.requests) + sum(1 for r in self._joined.get(key[0], ())
+                                         if r not in entry.requests)
+        return have >= len(members)
+
+    def _note_if_ready(self, key: tuple[int, str]) -> None:
+        if key not in self._ready_set and self._complete(key):
+            self._ready_set.add(key)
+            self._ready_keys.append(key)
+            if self._hold_until is None:
+                self._hold_until = time.monotonic() + self._config.cycle_time / 1000.0
+
+    def next_deadline(self) -> float | None:
+        """When held responses become due (``HORA_CYCLE_TIME`` > 0), as ``time.monotonic()``."""
+        return self._hold_until if self._ready_keys else None
+
+    def ready(self, now: float | None = None) -> list[Response]:
+        """Pop every response that can run now, fused, in execution order.
+
+        With ``HORA_CYCLE_TIME`` > 0, tensors that became ready are held until that many
+        milliseconds after the first of them, so that more can be fused with them.
+        """
         out, self._out = self._out, []
+        if self._ready_keys and self._config.cycle_time > 0:
+            now = time.monotonic() if now is None else now
+            if self._hold_until is not None and now < self._hold_until:
+                keys: list[tuple[int, str]] = []
+            else:
+                keys = self._ready_keys
+        else:
+            keys = self._ready_keys
+        if keys:
+            self._ready_keys, self._ready_set, self._hold_until = [], set(), None
         # JOIN responses must come after the ops that completed because of the join.
         joins = [r for r in out if r.kind is OpKind.JOIN]
         out = [r for r in out if r.kind is not OpKind.JOIN]
-        for key in list(self._order):
-            set_id, name = key
-            entry = self._table[key]
-            members = self._registry.ranks(set_id)
-            if members is None:
+        if self._ready_keys:  # held back: a join must not overtake them
+            self._out, joins = joins, []
+        for key in keys:
+            entry = self._table.pop(key, None)
+            members = self._registry.ranks(key[0])
+            if entry is None or members is None:
                 continue
-            joined = set(self._joined.get(set_id, ())) - set(entry.requests)
-            if set(entry.requests) | joined < set(members):
-                continue
-            del self._table[key]
             self._order.remove(key)
-            out.append(self._respond(name, set_id, members, entry, sorted(joined)))
-        # A join completing may only be announced once no tensor waits on the joined ranks.
+            joined = set(self._joined.get(key[0], ())) - set(entry.requests)
+            out.append(self._respond(key[1], key[0], members, entry, sorted(joined)))
         return _fuse(out, self._config) + joins
 
     def _respond(self, name: str, set_id: int, members: list[int], entry: _Pending,
@@ -174,6 +219,8 @@ class Coordinator:
             members = self._registry.ranks(set_id) or []
             missing = [r for r in members if r not in entry.requests
                        and r not in self._joined.get(set_id, ())]
+            if key in self._ready_set:
+                continue
             if fail_after > 0 and age >= fail_after:
                 del self._table[key]
                 self._order.remove(key)

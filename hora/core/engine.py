@@ -131,7 +131,8 @@ class Engine:
                     # next stall check. Whatever arrives is handled on the next pass.
                     wait: float | None = None
                     if self._coordinator is not None:
-                        wait = max(0.0, next_check - time.monotonic())
+                        due = min(next_check, self._coordinator.next_deadline() or next_check)
+                        wait = max(0.0, due - time.monotonic())
                     if self._hb_timeout > 0:
                         beat = max(0.0, self._last_beat + self._hb_timeout / 4 - time.monotonic())
                         wait = beat if wait is None else min(wait, beat)

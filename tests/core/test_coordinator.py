@@ -175,3 +175,25 @@ def test_wire_roundtrip_and_garbage() -> None:
                 b'{"t":"req","reqs":[{"kind":"ALLREDUCE","name":3,"rank":0}]}'):
         with pytest.raises(ProtocolError):
             decode(bad)
+
+
+def test_cycle_time_holds_ready_tensors_to_fuse_more() -> None:
+    coord, _ = make(2, cycle_time=5.0)
+    for r in (0, 1):
+        coord.add([req(r, "a")])
+    deadline = coord.next_deadline()
+    assert deadline is not None
+    assert coord.ready(now=deadline - 0.001) == []  # held
+    for r in (0, 1):
+        coord.add([req(r, "b")])
+    (fused,) = coord.ready(now=deadline)
+    assert fused.names == ["a", "b"]
+    assert coord.next_deadline() is None
+
+
+def test_readiness_is_tracked_incrementally_in_completion_order() -> None:
+    coord, _ = make(2)
+    coord.add([req(0, "first"), req(0, "second")])
+    coord.add([req(1, "second")])
+    coord.add([req(1, "first")])
+    assert [r.names for r in coord.ready()] == [["second", "first"]]
