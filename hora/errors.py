@@ -11,8 +11,12 @@ class HoraError(Exception):
     """Root of every error hora raises on purpose."""
 
 
-class NotInitializedError(HoraError, ValueError):
-    """An op or query was used before ``init()`` (Horovod raises ``ValueError`` here)."""
+class NotInitializedError(HoraError, ValueError, RuntimeError):
+    """An op or query was used before ``init()``.
+
+    Horovod raises ``ValueError`` from topology queries and a ``RuntimeError`` from ops; this is
+    both, so either ``except`` clause catches it.
+    """
 
     def __init__(self, what: str = "") -> None:
         prefix = f"{what}: " if what else ""

@@ -66,14 +66,15 @@ def _set_ranks(ctx: context.Context, process_set: ProcessSet) -> tuple[int, list
     return set_id, ranks
 
 
-def _full_name(ctx: context.Context, prefix: str, name: str | None) -> str:
-    return f"{prefix}.{name}" if name else f"{prefix}.noname.{ctx.next_id()}"
+def _full_name(ctx: context.Context, prefix: str, name: str | None, set_id: int) -> str:
+    return f"{prefix}.{name}" if name else f"{prefix}.noname.{ctx.next_id(set_id)}"
 
 
 def _contiguous(tensor: Any, what: str) -> np.ndarray:
     arr = np.asarray(tensor)
     check_dtype(arr.dtype, what)
-    return np.ascontiguousarray(arr)
+    # not np.ascontiguousarray: it turns a 0-d array into shape (1,)
+    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
 
 
 def _submit(ctx: context.Context, request: Request, tensor: np.ndarray,
@@ -123,7 +124,7 @@ def allreduce_async(tensor: Any, *, name: str | None = None, op: int = ReduceOp.
         finish = _writeback(original, work)
     else:
         out = output if output is not None else np.empty_like(work)
-    req = Request(name=_full_name(ctx, prefix, name), kind=OpKind.ALLREDUCE, rank=ctx.rank,
+    req = Request(name=_full_name(ctx, prefix, name, set_id), kind=OpKind.ALLREDUCE, rank=ctx.rank,
                   set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape),
                   op=int(op), prescale=float(prescale_factor), postscale=float(postscale_factor),
                   device=device)
@@ -137,7 +138,7 @@ def grouped_allreduce_async(tensors: Sequence[Any], *, name: str | None = None,
                             inplace: bool = False, device: str = "cpu") -> Handle:
     """Allreduce a list of tensors as one group; resolves to the list of results."""
     ctx = context.get("grouped_allreduce")
-    base = name or f"noname.{ctx.next_id()}"
+    base = name or f"noname.{ctx.next_id(process_set.process_set_id or 0)}"
     n = len(tensors)
     members = [allreduce_async(t, name=f"{base}_{i + 1}of{n}", op=op,
                                prescale_factor=prescale_factor, postscale_factor=postscale_factor,
@@ -177,7 +178,7 @@ def allgather_async(tensor: Any, *, name: str | None = None,
     ctx = context.get("allgather")
     set_id, _ = _set_ranks(ctx, process_set)
     work = _contiguous(tensor, "allgather input")
-    req = Request(name=_full_name(ctx, prefix, name), kind=OpKind.ALLGATHER, rank=ctx.rank,
+    req = Request(name=_full_name(ctx, prefix, name, set_id), kind=OpKind.ALLGATHER, rank=ctx.rank,
                   set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape),
                   device=device)
     return _submit(ctx, req, work, None)
@@ -196,7 +197,7 @@ def broadcast_async(tensor: Any, root_rank: int, *, name: str | None = None,
     work = _contiguous(tensor, "broadcast input")
     finish = _writeback(original, work) if inplace and isinstance(original, np.ndarray) else None
     out = work if inplace else np.empty_like(work)
-    req = Request(name=_full_name(ctx, "broadcast", name), kind=OpKind.BROADCAST, rank=ctx.rank,
+    req = Request(name=_full_name(ctx, "broadcast", name, set_id), kind=OpKind.BROADCAST, rank=ctx.rank,
                   set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape),
                   root=int(root_rank), device=device)
     return _submit(ctx, req, work, out, finish)
@@ -231,7 +232,7 @@ def alltoall_async(tensor: Any, splits: Sequence[int] | None = None, *, name: st
                              f"dimension {work.shape[0]}")
         if sum(split_list) < work.shape[0]:
             work = work[:sum(split_list)]
-    req = Request(name=_full_name(ctx, "alltoall", name), kind=OpKind.ALLTOALL, rank=ctx.rank,
+    req = Request(name=_full_name(ctx, "alltoall", name, set_id), kind=OpKind.ALLTOALL, rank=ctx.rank,
                   set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape),
                   splits=split_list, device=device)
     return _submit(ctx, req, work, None)
@@ -252,7 +253,7 @@ def reducescatter_async(tensor: Any, *, name: str | None = None, op: int = Reduc
     if work.ndim == 0:
         raise ValueError("Reducescatter does not support scalar inputs: reducescatter needs a "
                          "tensor with at least one dimension")
-    req = Request(name=_full_name(ctx, prefix, name), kind=OpKind.REDUCESCATTER,
+    req = Request(name=_full_name(ctx, prefix, name, set_id), kind=OpKind.REDUCESCATTER,
                   rank=ctx.rank, set_id=set_id, dtype=check_dtype(work.dtype),
                   shape=list(work.shape), op=int(op), prescale=float(prescale_factor),
                   postscale=float(postscale_factor), device=device)
@@ -266,7 +267,7 @@ def grouped_allgather_async(tensors: Sequence[Any], *, name: str | None = None,
     """Allgather each tensor of a list (names ``grouped_allgather.<base>_<i>of<n>``); resolves
     to the list of gathered arrays."""
     ctx = context.get("grouped_allgather")
-    base = name or f"noname.{ctx.next_id()}"
+    base = name or f"noname.{ctx.next_id(process_set.process_set_id or 0)}"
     n = len(tensors)
     members = [allgather_async(t, name=f"{base}_{i + 1}of{n}", process_set=process_set,
                                prefix="grouped_allgather", device=device)
@@ -282,7 +283,7 @@ def grouped_reducescatter_async(tensors: Sequence[Any], *, name: str | None = No
     """Reducescatter each tensor of a list (names ``grouped_reducescatter.<base>_<i>of<n>``);
     resolves to the list of this rank's shares."""
     ctx = context.get("grouped_reducescatter")
-    base = name or f"noname.{ctx.next_id()}"
+    base = name or f"noname.{ctx.next_id(process_set.process_set_id or 0)}"
     n = len(tensors)
     members = [reducescatter_async(t, name=f"{base}_{i + 1}of{n}", op=op,
                                    prescale_factor=prescale_factor,
@@ -331,7 +332,7 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every member of the set has called ``barrier``."""
     ctx = context.get("barrier")
     set_id, _ = _set_ranks(ctx, process_set)
-    req = Request(name=f"barrier.{ctx.next_id()}", kind=OpKind.BARRIER, rank=ctx.rank,
+    req = Request(name=f"barrier.{ctx.next_id(set_id)}", kind=OpKind.BARRIER, rank=ctx.rank,
                   set_id=set_id)
     _submit(ctx, req, np.empty(0, np.uint8), None).wait()
 
@@ -391,7 +392,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, *, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Pickle ``obj`` on ``root_rank`` and return a copy of it on every member of the set."""
     ctx = context.get("broadcast_object")
-    base = name or f"noname.{ctx.next_id()}"
+    base = name or f"noname.{ctx.next_id(process_set.process_set_id or 0)}"
     payload = np.frombuffer(_dumps(obj), np.uint8) if ctx.rank == root_rank else None
     size = np.array([0 if payload is None else payload.size], dtype=np.int64)
     size = broadcast_async(size, root_rank, name=f"broadcast_object.{base}.size",
@@ -406,7 +407,7 @@ def allgather_object(obj: Any, *, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Pickle ``obj`` on every rank; return the list of all ranks' objects in rank order."""
     ctx = context.get("allgather_object")
-    base = name or f"noname.{ctx.next_id()}"
+    base = name or f"noname.{ctx.next_id(process_set.process_set_id or 0)}"
     payload = np.frombuffer(_dumps(obj), np.uint8)
     sizes = allgather_async(np.array([payload.size], np.int64),
                             name=f"allgather_object.{base}.size", process_set=process_set).wait()

@@ -152,12 +152,16 @@ def process_sets() -> None:
     if r in (0, 2):
         got = hora.allreduce(np.array([r]), op=hora.Sum, name="even", process_set=even)
         assert got[0] == 2 and even.rank() == r // 2
+        hora.allreduce(np.array([r]), process_set=even)  # unnamed, only on the subset
+        hora.barrier(process_set=even)
     else:
         try:
             hora.allreduce(np.array([r]), process_set=even)
         except ValueError as exc:
             print(f"NOTMEMBER {exc}")
     assert hora.allreduce(np.array([1]), op=hora.Sum, name="all")[0] == 3
+    hora.barrier()  # unnamed ops on a subset must not shift the global set's automatic names
+    assert hora.allreduce(np.array([1]), op=hora.Sum)[0] == 3
     print(f"OK process_sets rank {r}")
 
 
