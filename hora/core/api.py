@@ -197,9 +197,9 @@ def broadcast_async(tensor: Any, root_rank: int, *, name: str | None = None,
     work = _contiguous(tensor, "broadcast input")
     finish = _writeback(original, work) if inplace and isinstance(original, np.ndarray) else None
     out = work if inplace else np.empty_like(work)
-    req = Request(name=_full_name(ctx, "broadcast", name, set_id), kind=OpKind.BROADCAST, rank=ctx.rank,
-                  set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape),
-                  root=int(root_rank), device=device)
+    req = Request(name=_full_name(ctx, "broadcast", name, set_id), kind=OpKind.BROADCAST,
+                  rank=ctx.rank, set_id=set_id, dtype=check_dtype(work.dtype),
+                  shape=list(work.shape), root=int(root_rank), device=device)
     return _submit(ctx, req, work, out, finish)
 
 
@@ -232,9 +232,9 @@ def alltoall_async(tensor: Any, splits: Sequence[int] | None = None, *, name: st
                              f"dimension {work.shape[0]}")
         if sum(split_list) < work.shape[0]:
             work = work[:sum(split_list)]
-    req = Request(name=_full_name(ctx, "alltoall", name, set_id), kind=OpKind.ALLTOALL, rank=ctx.rank,
-                  set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape),
-                  splits=split_list, device=device)
+    req = Request(name=_full_name(ctx, "alltoall", name, set_id), kind=OpKind.ALLTOALL,
+                  rank=ctx.rank, set_id=set_id, dtype=check_dtype(work.dtype),
+                  shape=list(work.shape), splits=split_list, device=device)
     return _submit(ctx, req, work, None)
 
 

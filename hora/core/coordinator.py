@@ -36,6 +36,7 @@ class _Pending:
     requests: dict[int, Request] = field(default_factory=dict)
     first_seen: float = 0.0
     warned_at: float = 0.0
+    joined: list[int] = field(default_factory=list)  # joined ranks when it became ready
 
 
 class Coordinator:
@@ -62,6 +63,10 @@ class Coordinator:
             if members is None:
                 self._out.append(_error(req, f"Process set {req.set_id} provided does not exist, "
                                              "or has not been registered."))
+                continue
+            if req.rank not in members:
+                log.warning("ignoring request for '%s' from rank %d, which is not a member of "
+                            "process set %d %s", req.name, req.rank, req.set_id, members)
                 continue
             if req.kind is OpKind.JOIN:
                 self._join(req, members)
@@ -121,12 +126,14 @@ class Coordinator:
         members = self._registry.ranks(key[0])
         if entry is None or members is None:
             return False
-        have = len(entry.requests) + sum(1 for r in self._joined.get(key[0], ())
-                                         if r not in entry.requests)
-        return have >= len(members)
+        have = set(entry.requests) | set(self._joined.get(key[0], ()))
+        return have >= set(members)
 
     def _note_if_ready(self, key: tuple[int, str]) -> None:
         if key not in self._ready_set and self._complete(key):
+            entry = self._table[key]
+            # Remember who had joined now: the join that completes a set resets the list.
+            entry.joined = sorted(set(self._joined.get(key[0], ())) - set(entry.requests))
             self._ready_set.add(key)
             self._ready_keys.append(key)
             if self._hold_until is None:
@@ -164,8 +171,7 @@ class Coordinator:
             if entry is None or members is None:
                 continue
             self._order.remove(key)
-            joined = set(self._joined.get(key[0], ())) - set(entry.requests)
-            out.append(self._respond(key[1], key[0], members, entry, sorted(joined)))
+            out.append(self._respond(key[1], key[0], members, entry, entry.joined))
         return _fuse(out, self._config) + joins
 
     def _respond(self, name: str, set_id: int, members: list[int], entry: _Pending,

@@ -49,6 +49,18 @@ _DUPLICATE = ("Requested to allreduce, allgather, or broadcast a tensor with the
               "another tensor that is currently being processed.")
 
 
+ABORT_GATHER_SECONDS = 0.5
+"""On a local failure, how long to listen for other ranks' reasons before failing the ops."""
+
+
+class _RemoteAbort(HoraInternalError):
+    """Another rank told us the job is failing (its reason is the message)."""
+
+    def __init__(self, message: str, sender: int) -> None:
+        super().__init__(message)
+        self.sender = sender
+
+
 class Engine:
     """Owns the transport, the pending-op table and the background thread of one process."""
 
@@ -67,6 +79,7 @@ class Engine:
         self._stop = threading.Event()
         self._error: HoraInternalError | None = None
         self._departed: set[int] = set()
+        self._executing = False  # True while a collective runs (left True if it failed)
         # Heartbeats: control peers must be heard from within heartbeat_timeout_seconds.
         self._hb_timeout = config.heartbeat_timeout_seconds
         now = time.monotonic()
@@ -206,6 +219,8 @@ class Engine:
             if kind == MSG_HEARTBEAT:
                 pass
             elif kind == MSG_REQUESTS and self._coordinator is not None:
+                for req in body["reqs"]:
+                    req.rank = sender  # the authenticated connection says who sent it
                 self._coordinator.add(body["reqs"])
             elif kind == MSG_RESPONSES and self._coordinator is None:
                 self._execute(body["resps"])
@@ -220,7 +235,7 @@ class Engine:
                 self._stop.set()
                 return True
             elif kind == MSG_ABORT:
-                raise HoraInternalError(str(body.get("reason", "another rank failed")))
+                raise _RemoteAbort(str(body.get("reason", "another rank failed")), sender)
             if self._stop.is_set():
                 return True
 
@@ -242,8 +257,10 @@ class Engine:
         return True
 
     def _execute(self, responses: list[Response]) -> None:
+        self._executing = True
         try:
             self._execute_all(responses)
+            self._executing = False
         finally:
             # While a collective ran nobody's messages were read: don't count that as silence.
             now = time.monotonic()
@@ -271,20 +288,50 @@ class Engine:
             pass  # peers already gone: nothing to tell
 
     def _abort(self, exc: HoraError) -> None:
-        error = exc if isinstance(exc, HoraInternalError) else HoraInternalError(str(exc))
-        if self._error is None:
-            self._error = error
-        log.error("%s", error)
-        reason = encode(MSG_ABORT, reason=f"rank {self.rank} failed: {error}")
+        """Fail this rank loudly: unblock peers at once, tell the others, collect their causes."""
+        remote = isinstance(exc, _RemoteAbort)
+        error = (HoraInternalError(str(exc)) if remote or not isinstance(exc, HoraInternalError)
+                 else exc)
+        self.transport.shutdown_data()  # peers blocked on our data get EOF now, not a timeout
+        reason = encode(MSG_ABORT, reason=str(exc) if remote else f"rank {self.rank} failed: {exc}")
         peers = range(1, self.size) if self._coordinator is not None else [0]
         for peer in peers:
-            if peer in self._departed:
-                continue
+            if peer in self._departed or (remote and peer == getattr(exc, "sender", None)):
+                continue  # never echo a reason back to the rank that sent it
             try:
                 self.transport.send_control(peer, reason)
             except HoraError:
                 pass
+        if self._executing and not remote:
+            # A data-plane error may only be an echo (a peer that failed first shut its data
+            # down): add what the other ranks report, so the message names the root cause.
+            others = self._collect_abort_reasons(ABORT_GATHER_SECONDS)
+            if others:
+                error = type(error)(f"{error}; other ranks report: {' | '.join(others)}")
+        if self._error is None:
+            self._error = error
+        log.error("%s", self._error)
         self._stop.set()
+
+    def _collect_abort_reasons(self, seconds: float) -> list[str]:
+        reasons: list[str] = []
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                msg = self.transport.recv_control(max(0.0, end - time.monotonic()))
+            except HoraError:
+                continue
+            if msg is None:
+                continue
+            try:
+                kind, body = decode(msg[1])
+            except HoraError:
+                continue
+            if kind == MSG_ABORT:
+                reasons.append(str(body.get("reason", "")))
+                if self._coordinator is None:
+                    break  # rank 0 already merged what it knew
+        return reasons
 
     def _fail_all(self, error: HoraInternalError) -> None:
         while self._queue:

@@ -122,7 +122,7 @@ def decode(data: bytes) -> tuple[str, dict[str, Any]]:
     """
     try:
         body = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ProtocolError(f"malformed control message ({exc})") from None
     if not isinstance(body, dict) or not isinstance(body.get("t"), str):
         raise ProtocolError("control message without a type")
@@ -154,6 +154,11 @@ _REQ_LISTS = {"shape": 1, "splits": 1, "ranks": 1}
 _RESP_LISTS = {"names": 1, "joined": 1, "ranks": 1, "shapes": 2, "first_dims": 2, "splits": 3}
 
 
+_NULLABLE: dict[type, frozenset[str]] = {  # list fields that may be null
+    Request: frozenset({"splits", "ranks"}), Response: frozenset({"ranks"}),
+}
+
+
 def _nested_ok(value: Any, depth: int, leaf: type) -> bool:
     if not isinstance(value, list):
         return False
@@ -173,7 +178,11 @@ def _build(cls: type[Any], raw: Any) -> Any:
             raise TypeError(f"field {key!r} has type {type(value).__name__}")
     nested = _REQ_LISTS if cls is Request else _RESP_LISTS
     for key, depth in nested.items():
-        value = raw.get(key)
-        if value is not None and not _nested_ok(value, depth, str if key == "names" else int):
+        if key not in raw:
+            continue
+        value = raw[key]
+        if value is None and key in _NULLABLE[cls]:
+            continue
+        if not _nested_ok(value, depth, str if key == "names" else int):
             raise TypeError(f"field {key!r} must be a list nested {depth} deep")
     return cls(**raw)

@@ -75,6 +75,13 @@ class Transport(abc.ABC):
     def describe(self, peer: int) -> str:
         """``'rank 3 (host a)'`` style identity of a peer for messages."""
 
+    def shutdown_data(self) -> None:
+        """Stop the data plane at once: peers blocked sending to or receiving from this rank
+        get an error now instead of waiting for their timeout. The control plane stays up, so a
+        failing rank can still say why. Called by the engine when it aborts. The default does
+        nothing (a transport whose close() is the only way to stop its data plane)."""
+        return None
+
     @abc.abstractmethod
     def close(self) -> None:
         """Close every connection. Idempotent."""

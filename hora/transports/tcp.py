@@ -510,6 +510,14 @@ class TcpTransport(Transport):
     # ---- shutdown ----------------------------------------------------------------------------
 
     @override
+    def shutdown_data(self) -> None:
+        for sock in self._data.values():  # FIN, not RST: peers see EOF at once
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    @override
     def close(self) -> None:
         if self._closed:
             return
