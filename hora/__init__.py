@@ -133,15 +133,13 @@ def rocm_built() -> bool:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Not available yet in hora (the timeline is planned); raises NotImplementedError."""
-    _context.get("start_timeline")
-    raise NotImplementedError("the timeline is not implemented in hora yet")
+    """Start writing the timeline to ``file_path`` (rank 0); needs HOROVOD_TIMELINE set."""
+    _context.get("start_timeline").engine.timeline.start(file_path, mark_cycles)
 
 
 def stop_timeline() -> None:
-    """Not available yet in hora; raises NotImplementedError."""
-    _context.get("stop_timeline")
-    raise NotImplementedError("the timeline is not implemented in hora yet")
+    """Stop writing the timeline and close the file (rank 0)."""
+    _context.get("stop_timeline").engine.timeline.stop()
 
 
 # ---- handles -------------------------------------------------------------------------------

@@ -115,10 +115,10 @@ KNOBS: tuple[Knob, ...] = (
        "Seconds allowed for all ranks to start and meet at the rendezvous."),
     # --- observability ---
     _k("timeline", str, "", "--timeline-filename",
-       "Write a Chrome-trace timeline to this file ('DYNAMIC': enabled, not started).",
-       implemented=False),
+       "Write a Chrome-trace timeline to this file ('DYNAMIC': enabled, not started); "
+       "`hora timeline FILE` summarises it."),
     _k("timeline_mark_cycles", bool, False, "--timeline-mark-cycles",
-       "Mark engine cycles in the timeline.", implemented=False),
+       "Mark engine cycles in the timeline."),
     _k("log_level", str, "warning", "--log-level",
        "Logging level of the library.",
        choices=("trace", "debug", "info", "warning", "error", "fatal")),

@@ -41,6 +41,7 @@ from hora.core.messages import (
 )
 from hora.core.process_set import Registry
 from hora.errors import HoraError, HoraInternalError, PeerLostError, ShutdownError
+from hora.timeline.writer import QUEUE, Timeline
 from hora.transports.base import Transport
 
 log = get_logger(__name__)
@@ -74,7 +75,8 @@ class Engine:
         self._names: set[tuple[int, str]] = set()
         self._names_lock = threading.Lock()
         self._pending: dict[str, Entry] = {}  # background thread only
-        self._executor = Executor(transport.comm(), registry, config)
+        self.timeline = Timeline.from_config(config, self.rank)
+        self._executor = Executor(transport.comm(), registry, config, self.timeline)
         self._coordinator = Coordinator(registry, config) if self.rank == 0 else None
         self._stop = threading.Event()
         self._error: HoraInternalError | None = None
@@ -123,6 +125,7 @@ class Engine:
         self.transport.wake()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        self.timeline.stop()
         self.transport.close()
 
     # ---- background thread -------------------------------------------------------------------
@@ -131,6 +134,7 @@ class Engine:
         next_check = time.monotonic() + check_every
         try:
             while not self._stop.is_set():
+                self.timeline.mark_cycle()
                 self._heartbeat()
                 busy = self._take_submissions()
                 busy = self._receive(0.0) or busy
@@ -188,10 +192,42 @@ class Engine:
         if not requests:
             return False
         if self._coordinator is not None:
+            self._timeline_ready(requests)
             self._coordinator.add(requests)
         else:
+            if self.timeline.recording:  # per-rank files: this rank's own wait for the others
+                for req in requests:
+                    self.timeline.negotiate_start(req.name, req.kind)
             self.transport.send_control(0, encode(MSG_REQUESTS, reqs=requests))
         return True
+
+    def _timeline_ready(self, requests: list[Request]) -> None:
+        """Rank 0: one readiness tick per request (rank within its process set)."""
+        tl = self.timeline
+        if not tl.recording:
+            return
+        for req in requests:
+            if req.kind is OpKind.JOIN:
+                continue
+            members = self.registry.ranks(req.set_id) or []
+            rank = members.index(req.rank) if req.rank in members else req.rank
+            tl.negotiate_rank_ready(req.name, rank, req.kind)
+
+    def _timeline_begin(self, responses: list[Response]) -> None:
+        """Negotiation is over: each op starts (waiting in QUEUE until it runs) or failed."""
+        tl = self.timeline
+        if not tl.recording:
+            return
+        for resp in responses:
+            if resp.kind is OpKind.JOIN:
+                continue
+            for name in resp.names:
+                tl.negotiate_end(name)
+                if resp.kind is OpKind.ERROR:
+                    tl.error(name, resp.error)
+                else:
+                    tl.op_start(name, resp.kind)
+                    tl.activity_start(name, QUEUE)
 
     def _receive(self, wait: float | None) -> bool:
         """Handle every control message available; block up to ``wait`` for the first.
@@ -221,8 +257,10 @@ class Engine:
             elif kind == MSG_REQUESTS and self._coordinator is not None:
                 for req in body["reqs"]:
                     req.rank = sender  # the authenticated connection says who sent it
+                self._timeline_ready(body["reqs"])
                 self._coordinator.add(body["reqs"])
             elif kind == MSG_RESPONSES and self._coordinator is None:
+                self._timeline_begin(body["resps"])
                 self._execute(body["resps"])
             elif kind == MSG_BYE and self._coordinator is not None:
                 self._departed.add(sender)
@@ -243,6 +281,7 @@ class Engine:
         """Rank 0: send responses to the members that must run them, then run them here."""
         if not responses:
             return False
+        self._timeline_begin(responses)
         by_peer: dict[int, list[Response]] = {}
         for resp in responses:
             members = self.registry.ranks(resp.set_id) or []
@@ -311,6 +350,7 @@ class Engine:
         if self._error is None:
             self._error = error
         log.error("%s", self._error)
+        self.timeline.fail_all(str(self._error))
         self._stop.set()
 
     def _collect_abort_reasons(self, seconds: float) -> list[str]:

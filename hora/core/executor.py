@@ -28,6 +28,9 @@ from hora.core.handle import Handle
 from hora.core.messages import OpKind, Request, Response
 from hora.core.process_set import Registry
 from hora.errors import HoraInternalError, HoraTimeoutError, MismatchError, ShutdownError
+from hora.timeline.writer import (
+    MEMCPY_IN_FUSION_BUFFER, MEMCPY_OUT_FUSION_BUFFER, Timeline, collective_activity,
+)
 
 log = get_logger(__name__)
 
@@ -63,7 +66,9 @@ def reducescatter_rows(rows: int, size: int) -> list[int]:
 class Executor:
     """Runs responses over the global data-plane comm."""
 
-    def __init__(self, comm: Comm, registry: Registry, config: Config) -> None:
+    def __init__(self, comm: Comm, registry: Registry, config: Config,
+                 timeline: Timeline | None = None) -> None:
+        self._tl = timeline if timeline is not None else Timeline()
         self._comm = comm
         self._registry = registry
         self._config = config
@@ -94,22 +99,32 @@ class Executor:
                     error_type = _ERROR_TYPES.get(resp.value, MismatchError)
                     entry.handle.set_error(error_type(resp.error))
             return
+        tl = self._tl
         if kind in (OpKind.BARRIER, OpKind.JOIN, OpKind.REMOVE_PROCESS_SET,
                     OpKind.ADD_PROCESS_SET):
             self._control_op(resp, entries)
+            tl.op_end(resp.names[0])
             return
         comm = self.comm_for(resp.set_id)
         if kind is OpKind.ALLREDUCE:
-            self._allreduce(comm, resp, entries)
+            try:
+                self._allreduce(comm, resp, entries)
+            except BaseException as exc:
+                for name in resp.names:
+                    tl.error(name, str(exc))
+                raise
             return
         entry = entries.pop(resp.names[0])
         try:
+            tl.activity_start(resp.names[0], collective_activity("hora", kind))
             result = {OpKind.ALLGATHER: self._allgather, OpKind.BROADCAST: self._broadcast,
                       OpKind.ALLTOALL: self._alltoall,
                       OpKind.REDUCESCATTER: self._reducescatter}[kind](comm, resp, entry)
         except BaseException as exc:
+            tl.error(resp.names[0], str(exc))
             entry.handle.set_error(exc)
             raise
+        tl.op_end(resp.names[0], resp.dtype, resp.shapes[0] if resp.shapes else ())
         _complete(entry, result)
 
     # ---- ops --------------------------------------------------------------------------------
@@ -139,6 +154,7 @@ class Executor:
                     np.copyto(out, entry.tensor)
                 buf = out.reshape(-1)
             else:
+                self._tl.activity_start_all(resp.names, MEMCPY_IN_FUSION_BUFFER)
                 buf = self._fusion_view(dtype, total)
                 offset = 0
                 for entry, n in zip(local, sizes):
@@ -153,10 +169,14 @@ class Executor:
             scale_inplace(buf, resp.prescale)
             algorithm = select_allreduce(buf.nbytes, comm.size, self._config.allreduce_algorithm,
                                          self._config.small_allreduce_bytes)
+            self._tl.activity_start_all(resp.names, collective_activity(algorithm, resp.kind))
             allreduce(comm, buf, ReduceOp(resp.op), algorithm, scratch=self._scratch_for(buf))
             scale_inplace(buf, postscale)
+            if not single:
+                self._tl.activity_start_all(resp.names, MEMCPY_OUT_FUSION_BUFFER)
             offset = 0
-            for entry, n, shape in zip(local, sizes, resp.shapes):
+            for name, entry, n, shape in zip(resp.names, local, sizes, resp.shapes):
+                self._tl.op_end(name, resp.dtype, shape)
                 if entry is not None:
                     if not single:
                         out = entry.output if entry.output is not None else np.empty(shape, dtype)

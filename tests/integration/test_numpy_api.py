@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -176,3 +177,24 @@ def test_real_mpirun_launch() -> None:
     assert proc.returncode == 0, out
     for r in range(2):
         assert f"OK simple rank {r} size 2 local {r} sum [1.0, 1.0, 1.0]" in out
+
+
+def test_timeline_records_phases_and_names_the_straggler(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "timeline.json"
+    job = run_job(3, "timeline", env={"HOROVOD_TIMELINE": str(path),
+                                      "HORA_TIMELINE_MARK_CYCLES": "1"})
+    assert job.returncode == 0, job.stdout + job.stderr
+    events = json.loads(path.read_text())
+    names = {e.get("name") for e in events}
+    assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "NEGOTIATE_BROADCAST", "BROADCAST",
+            "CYCLE_START"} <= names
+    tensors = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert {"allreduce.grad0", "allreduce.grad2", "broadcast.bcast"} <= tensors
+    summary = subprocess.run([sys.executable, "-m", "hora.runner.cli", "timeline", str(path)],
+                             capture_output=True, text=True, timeout=60)
+    assert summary.returncode == 0, summary.stderr
+    assert "allreduce.grad0" in summary.stdout and "1" in summary.stdout

@@ -196,6 +196,19 @@ def join() -> None:
     print(f"OK join rank {r} last {last}")
 
 
+def timeline() -> None:
+    hora.init()
+    r = hora.rank()
+    for step in range(5):
+        if r == 1:
+            time.sleep(0.01)  # rank 1 is the straggler
+        hs = [hora.allreduce_async(np.ones(100 + i), name=f"grad{i}") for i in range(3)]
+        for h in hs:
+            hora.synchronize(h)
+        hora.broadcast(np.ones(4), 0, name="bcast")
+    print(f"OK timeline rank {r}")
+
+
 def simple() -> None:
     hora.init()
     got = hora.allreduce(np.full(3, hora.rank(), np.float32), op=hora.Sum)

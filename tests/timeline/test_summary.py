@@ -103,6 +103,7 @@ def test_phases_tensors_and_stragglers(tmp_path: Path) -> None:
                                                      ("0", "2"))
     text = format_summary(s, top=5)
     assert "time per phase" in text and "RING_ALLREDUCE" in text
+    assert "the job crashed, hung or was killed?" in text and not s.stopped_cleanly
     assert "rank 2" in text and "75.0%" in text  # rank 2 was last in 3 of 4 negotiations
     assert "allreduce.hung: NEGOTIATE_ALLREDUCE since 14.000 ms; ready: 0, 2; not ready: 1" \
         in text
@@ -145,6 +146,18 @@ def test_writer_output_round_trips(tmp_path: Path) -> None:
     assert s.cycles == 3 and s.tensors["grad.a"].ops == 3 and s.negotiations == 6
     assert s.last_counts == {"1": 6} and s.tensors["grad.b"].shape == "[3]"
     assert s.phases["QUEUE"].count == 6 and not s.in_flight and not s.parse.truncated
+    assert s.stopped_cleanly
+
+
+def test_ops_open_at_a_clean_stop_are_not_called_a_crash(tmp_path: Path) -> None:
+    path = tmp_path / "w.json"
+    tl = Timeline(0, enabled=True)
+    tl.start(str(path))
+    tl.negotiate_rank_ready("late", 1, "ALLREDUCE")  # another rank's next step, then stop
+    tl.stop()
+    s = summarize_path(str(path))
+    assert s.stopped_cleanly and [f.tensor for f in s.in_flight] == ["late"]
+    assert "still open when recording stopped" in format_summary(s)
 
 
 def test_horovod_spacing_and_object_form(tmp_path: Path) -> None:

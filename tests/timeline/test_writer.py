@@ -104,6 +104,8 @@ def test_horovod_layout(tmp_path: Path) -> None:
     stamps = [e["ts"] for e in events if e["ph"] != "M"]
     assert all(isinstance(t, int) and t >= 0 for t in stamps)
     assert stamps == sorted(stamps)
+    assert events[-1] == {"ph": "i", "name": "TIMELINE_STOPPED", "ts": stamps[-1], "pid": 0,
+                          "tid": 0, "s": "g"}
 
 
 def test_ready_tick_starts_the_negotiation_itself(tmp_path: Path) -> None:
@@ -213,7 +215,8 @@ def test_all_ranks_writes_one_file_per_rank(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.rank1.json",
                                                           "t.rank2.json"]
     for p in tmp_path.iterdir():
-        assert [e["ph"] for e in _load(p) if e["ph"] != "M"] == ["B", "E"]
+        assert [(e["ph"], e.get("name")) for e in _load(p) if e["ph"] != "M"] == [
+            ("B", "ALLREDUCE"), ("E", None), ("i", "TIMELINE_STOPPED")]
 
 
 def test_unwritable_path(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
