@@ -199,7 +199,7 @@ def join() -> None:
 def timeline() -> None:
     hora.init()
     r = hora.rank()
-    for step in range(5):
+    for _ in range(5):
         if r == 1:
             time.sleep(0.01)  # rank 1 is the straggler
         hs = [hora.allreduce_async(np.ones(100 + i), name=f"grad{i}") for i in range(3)]
