@@ -77,8 +77,12 @@ KNOBS: tuple[Knob, ...] = (
     _k("cache_capacity", int, 1024, "--cache-capacity",
        "Response cache entries (accepted for compatibility; hora negotiates every op).",
        implemented=False),
-    _k("hierarchical_allreduce", bool, False, "--hierarchical-allreduce",
-       "Reduce within each host, then across hosts (multi-host jobs).", implemented=False),
+    _k("hierarchical_allreduce", bool, None, "--hierarchical-allreduce",
+       "Reduce within each host (shared memory), then across hosts (TCP). Unset: automatic, "
+       "on when a process set spans hosts with several ranks on a host; 1/0 force it."),
+    _k("shm", bool, True, "--shm",
+       "hora-only: ranks on one host exchange tensors through shared memory (/dev/shm) "
+       "instead of TCP.", alias=False),
     _k("hierarchical_allgather", bool, False, "--hierarchical-allgather",
        "Gather within each host, then across hosts (multi-host jobs).", implemented=False),
     _k("torus_allreduce", bool, False, "--torus-allreduce",
@@ -218,7 +222,8 @@ class Config:
     fusion_threshold: int = 128 * MiB
     cycle_time: float = 0.0
     cache_capacity: int = 1024
-    hierarchical_allreduce: bool = False
+    hierarchical_allreduce: bool | None = None
+    shm: bool = True
     hierarchical_allgather: bool = False
     torus_allreduce: bool = False
     dynamic_process_sets: bool = False

@@ -156,7 +156,10 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
             ps.process_set_id = registry.register(ps.ranks)
         global_process_set.ranks = list(range(info.size))
         global_process_set.process_set_id = 0
-        engine = Engine(transport, config, registry)
+        from hora.transports.shm import job_id_from_env
+
+        engine = Engine(transport, config, registry, hostnames=hostnames,
+                        job_id=job_id_from_env(os.environ, info.secret))
         _ctx = Context(
             config=config, engine=engine, rank=info.rank, size=info.size,
             local_rank=pick(info.local_rank, slot.local_rank),

@@ -65,7 +65,8 @@ class _RemoteAbort(HoraInternalError):
 class Engine:
     """Owns the transport, the pending-op table and the background thread of one process."""
 
-    def __init__(self, transport: Transport, config: Config, registry: Registry) -> None:
+    def __init__(self, transport: Transport, config: Config, registry: Registry, *,
+                 hostnames: list[str] | None = None, job_id: str = "") -> None:
         self.transport = transport
         self.config = config
         self.registry = registry
@@ -76,7 +77,8 @@ class Engine:
         self._names_lock = threading.Lock()
         self._pending: dict[str, Entry] = {}  # background thread only
         self.timeline = Timeline.from_config(config, self.rank)
-        self._executor = Executor(transport.comm(), registry, config, self.timeline)
+        self._executor = Executor(transport.comm(), registry, config, self.timeline,
+                                  hostnames=hostnames, job_id=job_id)
         self._coordinator = Coordinator(registry, config) if self.rank == 0 else None
         self._stop = threading.Event()
         self._error: HoraInternalError | None = None
@@ -161,6 +163,7 @@ class Engine:
             log.exception("hora engine failed")
             self._abort(HoraInternalError(f"hora engine failed: {exc!r}"))
         finally:
+            self._executor.close()  # unmap and unlink this rank's shared memory
             self._fail_all(self._error or ShutdownError(
                 "Horovod has been shut down. This was caused by an exception on one of the "
                 "ranks or an attempt to use an op after shutdown()."))

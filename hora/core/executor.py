@@ -14,19 +14,14 @@ from typing import Any
 import numpy as np
 
 from hora._util.log import get_logger
-from hora.collectives.allgather import allgather
-from hora.collectives.allreduce import allreduce
-from hora.collectives.alltoall import alltoall
-from hora.collectives.broadcast import broadcast
 from hora.collectives.comm import Comm, SubComm
 from hora.collectives.ops import ReduceOp, scale_inplace, to_dtype
-from hora.collectives.reducescatter import reducescatter
-from hora.collectives.select import select_allreduce
 from hora.config import Config
 from hora.core.coordinator import ERROR_SHUTDOWN, ERROR_STALL
 from hora.core.handle import Handle
 from hora.core.messages import OpKind, Request, Response
 from hora.core.process_set import Registry
+from hora.core.routing import Route, build_route, close_quietly
 from hora.errors import HoraInternalError, HoraTimeoutError, MismatchError, ShutdownError
 from hora.timeline.writer import (
     MEMCPY_IN_FUSION_BUFFER, MEMCPY_OUT_FUSION_BUFFER, Timeline, collective_activity,
@@ -67,12 +62,16 @@ class Executor:
     """Runs responses over the global data-plane comm."""
 
     def __init__(self, comm: Comm, registry: Registry, config: Config,
-                 timeline: Timeline | None = None) -> None:
+                 timeline: Timeline | None = None, hostnames: list[str] | None = None,
+                 job_id: str = "") -> None:
         self._tl = timeline if timeline is not None else Timeline()
         self._comm = comm
         self._registry = registry
         self._config = config
+        self._hostnames = hostnames
+        self._job_id = job_id
         self._subcomms: dict[int, Comm] = {}
+        self._routes: dict[int, Route] = {}
         self._fusion = np.empty(0, dtype=np.uint8)
         self._scratch = np.empty(0, dtype=np.uint8)
 
@@ -86,8 +85,28 @@ class Executor:
             self._subcomms[set_id] = comm
         return comm
 
+    def route_for(self, set_id: int) -> Route:
+        """The set's data path, built (collectively) at its first data collective."""
+        route = self._routes.get(set_id)
+        if route is None:
+            comm = self.comm_for(set_id)
+            ranks = self._registry.ranks(set_id) or []
+            hosts = self._hostnames or ["localhost"] * self._comm.size
+            route = build_route(comm, [hosts[r] for r in ranks], self._config, self._job_id)
+            self._routes[set_id] = route
+            log.debug("process set %d uses %s", set_id, route.name)
+        return route
+
     def forget_set(self, set_id: int) -> None:
         self._subcomms.pop(set_id, None)
+        route = self._routes.pop(set_id, None)
+        if route is not None:
+            close_quietly(route)
+
+    def close(self) -> None:
+        """Release every route's shared memory (local; not collective)."""
+        for set_id in list(self._routes):
+            self.forget_set(set_id)
 
     def execute(self, resp: Response, entries: dict[str, Entry]) -> None:
         """Run ``resp``; ``entries`` are this rank's local ops by name (popped when done)."""
@@ -105,10 +124,10 @@ class Executor:
             self._control_op(resp, entries)
             tl.op_end(resp.names[0])
             return
-        comm = self.comm_for(resp.set_id)
+        route = self.route_for(resp.set_id)
         if kind is OpKind.ALLREDUCE:
             try:
-                self._allreduce(comm, resp, entries)
+                self._allreduce(route, resp, entries)
             except BaseException as exc:
                 for name in resp.names:
                     tl.error(name, str(exc))
@@ -119,7 +138,7 @@ class Executor:
             tl.activity_start(resp.names[0], collective_activity("hora", kind))
             result = {OpKind.ALLGATHER: self._allgather, OpKind.BROADCAST: self._broadcast,
                       OpKind.ALLTOALL: self._alltoall,
-                      OpKind.REDUCESCATTER: self._reducescatter}[kind](comm, resp, entry)
+                      OpKind.REDUCESCATTER: self._reducescatter}[kind](route, resp, entry)
         except BaseException as exc:
             tl.error(resp.names[0], str(exc))
             entry.handle.set_error(exc)
@@ -139,13 +158,17 @@ class Executor:
             value: Any = resp.value if resp.kind is not OpKind.BARRIER else None
             _complete(entry, value)
 
-    def _allreduce(self, comm: Comm, resp: Response, entries: dict[str, Entry]) -> None:
+    def _allreduce(self, route: Route, resp: Response, entries: dict[str, Entry]) -> None:
         dtype = to_dtype(resp.dtype)
         local = [entries.pop(n, None) for n in resp.names]
         try:
             sizes = [math.prod(s) for s in resp.shapes]
             total = sum(sizes)
-            single = len(local) == 1 and local[0] is not None and local[0].output is not None
+            # Decided from the response alone, so every rank takes the same path (a shared-memory
+            # allreduce must be staged on all ranks or on none).
+            single = len(resp.names) == 1 and not resp.joined
+            if single and (local[0] is None or local[0].output is None):
+                raise MismatchError(f"allreduce '{resp.names[0]}' has no output on this rank")
             if single:
                 entry = local[0]
                 assert entry is not None and entry.output is not None
@@ -155,7 +178,9 @@ class Executor:
                 buf = out.reshape(-1)
             else:
                 self._tl.activity_start_all(resp.names, MEMCPY_IN_FUSION_BUFFER)
-                buf = self._fusion_view(dtype, total)
+                staged = route.staging(total * dtype.itemsize)  # shared memory: packing is
+                buf = (staged.view(dtype) if staged is not None  # the only copy
+                       else self._fusion_view(dtype, total))
                 offset = 0
                 for entry, n in zip(local, sizes):
                     if entry is None:  # this rank joined: contribute zeros
@@ -165,12 +190,10 @@ class Executor:
                     offset += n
             postscale = resp.postscale
             if resp.op == ReduceOp.Average:
-                postscale = postscale / comm.size
+                postscale = postscale / route.comm.size
             scale_inplace(buf, resp.prescale)
-            algorithm = select_allreduce(buf.nbytes, comm.size, self._config.allreduce_algorithm,
-                                         self._config.small_allreduce_bytes)
-            self._tl.activity_start_all(resp.names, collective_activity(algorithm, resp.kind))
-            allreduce(comm, buf, ReduceOp(resp.op), algorithm, scratch=self._scratch_for(buf))
+            self._tl.activity_start_all(resp.names, collective_activity(route.name, resp.kind))
+            route.allreduce(buf, ReduceOp(resp.op), self._scratch_for(buf))
             scale_inplace(buf, postscale)
             if not single:
                 self._tl.activity_start_all(resp.names, MEMCPY_OUT_FUSION_BUFFER)
@@ -190,23 +213,25 @@ class Executor:
                     entry.handle.set_error(exc)
             raise
 
-    def _allgather(self, comm: Comm, resp: Response, entry: Entry) -> np.ndarray:
+    def _allgather(self, route: Route, resp: Response, entry: Entry) -> np.ndarray:
         x = entry.tensor
         row = int(np.prod(x.shape[1:], dtype=np.int64))
         dims = resp.first_dims[0]
         out = np.empty((sum(dims),) + tuple(x.shape[1:]), dtype=x.dtype)
-        allgather(comm, x.reshape(-1), [d * row for d in dims], out.reshape(-1))
+        route.allgather(x.reshape(-1), [d * row for d in dims], out.reshape(-1))
         return out
 
-    def _broadcast(self, comm: Comm, resp: Response, entry: Entry) -> np.ndarray:
+    def _broadcast(self, route: Route, resp: Response, entry: Entry) -> np.ndarray:
         out = entry.output if entry.output is not None else entry.tensor.copy()
         if out is not entry.tensor:
             np.copyto(out, entry.tensor)
         root = (self._registry.ranks(resp.set_id) or []).index(resp.root)
-        broadcast(comm, out.reshape(-1), root)
+        route.broadcast(out.reshape(-1), root)
         return out
 
-    def _alltoall(self, comm: Comm, resp: Response, entry: Entry) -> tuple[np.ndarray, np.ndarray]:
+    def _alltoall(self, route: Route, resp: Response,
+                  entry: Entry) -> tuple[np.ndarray, np.ndarray]:
+        comm = route.comm
         x = entry.tensor
         row = int(np.prod(x.shape[1:], dtype=np.int64))
         matrix = resp.splits[0]
@@ -214,18 +239,19 @@ class Executor:
         send = [s * row for s in matrix[me]]
         recv_rows = [matrix[j][me] for j in range(comm.size)]
         out = np.empty((sum(recv_rows),) + tuple(x.shape[1:]), dtype=x.dtype)
-        alltoall(comm, x.reshape(-1), send, out.reshape(-1), [r * row for r in recv_rows])
+        route.alltoall(x.reshape(-1), send, out.reshape(-1), [r * row for r in recv_rows])
         return out, np.asarray(recv_rows, dtype=np.int32)
 
-    def _reducescatter(self, comm: Comm, resp: Response, entry: Entry) -> np.ndarray:
+    def _reducescatter(self, route: Route, resp: Response, entry: Entry) -> np.ndarray:
+        comm = route.comm
         x = entry.tensor
         rows = reducescatter_rows(x.shape[0], comm.size)
         row = int(np.prod(x.shape[1:], dtype=np.int64))
         buf = x.reshape(-1).copy()
         scale_inplace(buf, resp.prescale)
         out = np.empty((rows[comm.rank],) + tuple(x.shape[1:]), dtype=x.dtype)
-        reducescatter(comm, buf, [r * row for r in rows], ReduceOp(resp.op), out.reshape(-1),
-                      scratch=self._scratch_for(buf))
+        route.reducescatter(buf, [r * row for r in rows], ReduceOp(resp.op), out.reshape(-1),
+                            self._scratch_for(buf))
         postscale = resp.postscale / (comm.size if resp.op == ReduceOp.Average else 1)
         scale_inplace(out, postscale)
         return out

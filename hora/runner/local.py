@@ -12,7 +12,11 @@ rank gets (command, environment); this module decides *how* processes run here:
   others get SIGTERM on their process group, then SIGKILL after :data:`GRACE_PERIOD_S`;
 * SIGINT / SIGTERM / SIGHUP to the launcher stop every rank the same way (exit 128 + signal);
   a second one skips the grace period. If the launcher itself is killed with SIGKILL, Linux
-  delivers SIGTERM to each rank (``PR_SET_PDEATHSIG``).
+  delivers SIGTERM to each rank (``PR_SET_PDEATHSIG``);
+* a rank with a ``stdin`` request (a rank on another host: the process here is its ``ssh``,
+  see :mod:`hora.runner.ssh`) gets the request on its stdin, which then stays open; the
+  launcher stops it by closing stdin instead of SIGTERM (the remote side then stops the rank
+  within its own, shorter grace period), and SIGKILLs the ssh after the grace period.
 
 Launcher messages go to stderr with a ``[hora]`` prefix through :func:`say`.
 """
@@ -112,10 +116,17 @@ def rank_output_dir(root: str | os.PathLike[str], rank: int, size: int) -> Path:
 
 @dataclass(frozen=True)
 class RankLaunch:
-    """One process to start: where it sits in the job and its complete environment."""
+    """One process to start: where it sits in the job and its complete environment.
+
+    ``argv`` replaces the job's command for this rank (e.g. the ``ssh`` that starts a remote
+    rank); ``stdin``, when given, is written to the process's stdin, which then stays open
+    until the launcher stops the rank by closing it.
+    """
 
     slot: Slot
     env: Mapping[str, str]
+    argv: Sequence[str] | None = None
+    stdin: bytes | None = field(default=None, repr=False)
 
 
 class _Relay(threading.Thread):
@@ -192,10 +203,18 @@ class _Worker:
     tail: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
     relays: list[_Relay] = field(default_factory=list)
+    release: threading.Event | None = None  # set: close stdin (stops a rank with a request)
 
     @property
     def rank(self) -> int:
         return self.slot.rank
+
+    def ask_to_stop(self) -> None:
+        """SIGTERM the rank's process group, or close its stdin if it was given a request."""
+        if self.release is not None:
+            self.release.set()
+        else:
+            _killpg(self.proc.pid, signal.SIGTERM)
 
 
 def _parent_death_signal() -> Callable[[], None] | None:
@@ -252,6 +271,22 @@ def _killpg(pgid: int, signum: int) -> None:
         pass
 
 
+def _feed(worker: _Worker, data: bytes) -> None:
+    """Write a rank's request to its stdin, keep stdin open until ``worker.release`` is set."""
+    pipe = worker.proc.stdin
+    assert pipe is not None and worker.release is not None
+    try:
+        pipe.write(data)
+        pipe.flush()
+    except (OSError, ValueError):
+        pass  # the process already exited; its exit code tells why
+    worker.release.wait()
+    try:
+        pipe.close()
+    except (OSError, ValueError):
+        pass
+
+
 class _Supervisor:
     """Owns the worker processes of one job from start to the last exit."""
 
@@ -284,6 +319,8 @@ class _Supervisor:
         finally:
             self._stop(quiet=True)
             self._join_relays()
+            if self._ranks:
+                remove_shm_segments(self._ranks[0].env.get("HORA_JOB_ID"))
 
     def _start_all(self) -> int | None:
         preexec = _parent_death_signal()
@@ -297,9 +334,11 @@ class _Supervisor:
                 self._console.say(f"cannot write the output of rank {launch.slot.rank} to "
                                   f"{exc.filename}: {exc.strerror or exc}")
                 return 1
+            argv = self._command if launch.argv is None else list(launch.argv)
             try:
                 proc = subprocess.Popen(
-                    self._command, env=dict(launch.env), stdin=subprocess.DEVNULL,
+                    argv, env=dict(launch.env),
+                    stdin=subprocess.DEVNULL if launch.stdin is None else subprocess.PIPE,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                     # preexec only calls prctl / getppid / kill: it takes no Python-level lock,
                     # so the fork-with-threads hazard does not apply.
@@ -309,12 +348,16 @@ class _Supervisor:
                     if copy is not None:
                         copy.close()
                 self._console.say(
-                    f"cannot start rank {launch.slot.rank}: {self._command[0]!r}: "
+                    f"cannot start rank {launch.slot.rank}: {argv[0]!r}: "
                     f"{exc.strerror or exc}")
                 return 127 if isinstance(exc, FileNotFoundError) else 126
             worker = _Worker(slot=launch.slot, proc=proc)
             self._workers.append(worker)
             self._start_relays(worker, copies)
+            if launch.stdin is not None:
+                worker.release = threading.Event()
+                threading.Thread(target=_feed, args=(worker, launch.stdin), daemon=True,
+                                 name=f"hora-stdin-{worker.rank}").start()
             threading.Thread(target=self._reap, args=(worker,), daemon=True,
                              name=f"hora-wait-{worker.rank}").start()
         return None
@@ -346,7 +389,10 @@ class _Supervisor:
             worker.relays.append(relay)
 
     def _reap(self, worker: _Worker) -> None:
-        self._exits.put((worker.rank, worker.proc.wait()))
+        code = worker.proc.wait()
+        if worker.release is not None:
+            worker.release.set()
+        self._exits.put((worker.rank, code))
 
     def _wait(self) -> int:
         by_rank = {w.rank: w for w in self._workers}
@@ -395,12 +441,13 @@ class _Supervisor:
             self._stop()
 
     def _stop(self, quiet: bool = False) -> None:
-        """SIGTERM every worker's process group, SIGKILL what is left after the grace period."""
+        """Ask every worker to stop (SIGTERM its process group, or close its stdin), SIGKILL
+        what is left after the grace period."""
         groups = [w.proc.pid for w in self._workers]
         if not groups or (quiet and not _live_groups(groups)):
             return
-        for pgid in groups:
-            _killpg(pgid, signal.SIGTERM)
+        for worker in self._workers:
+            worker.ask_to_stop()
         deadline = time.monotonic() + GRACE_PERIOD_S
         while time.monotonic() < deadline and not self._kill_now:
             if not _live_groups(groups):
@@ -420,6 +467,36 @@ class _Supervisor:
         for worker in self._workers:
             for relay in worker.relays:
                 relay.join(max(0.0, deadline - time.monotonic()))
+
+
+# ---- shared memory left by killed ranks ---------------------------------------------------------
+
+SHM_DIR = "/dev/shm"
+_JOB_ID = re.compile(r"[A-Za-z0-9_.]{1,64}")
+
+
+def remove_shm_segments(job_id: str | None, shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink ``<shm_dir>/hora-<job_id>-*`` once every rank has exited; returns what was removed.
+
+    Ranks unlink the shared memory segments they own (``hora.transports.shm``, which names them
+    ``hora-<job_id>-...`` with the ``HORA_JOB_ID`` the launcher exports) when they close, but a
+    rank killed with SIGKILL cannot. Ids that are not plain ``[A-Za-z0-9_.]`` are ignored.
+    """
+    if not job_id or not _JOB_ID.fullmatch(job_id):
+        return []
+    prefix = f"hora-{job_id}-"
+    try:
+        names = [n for n in os.listdir(shm_dir) if n.startswith(prefix)]
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
 
 
 @contextmanager
@@ -465,6 +542,7 @@ __all__ = [
     "Console",
     "RankLaunch",
     "rank_output_dir",
+    "remove_shm_segments",
     "run_local",
     "say",
 ]

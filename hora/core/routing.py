@@ -1,0 +1,173 @@
+"""Which data path a process set uses: the TCP ring, shared memory, or hierarchical.
+
+One :class:`Route` per process set, built lazily by every member at the set's first data
+collective (building one is itself collective: shared-memory groups exchange segment names over
+the set's comm). The executor calls the route's methods and never picks algorithms itself.
+
+* all members on one host, more than one of them -> :class:`~hora.collectives.shm.ShmGroup`
+  (unless ``HORA_SHM=0``);
+* members on several hosts with several per host -> hierarchical allreduce (reduce on each host
+  over shared memory, allreduce across hosts over TCP, spread back), unless
+  ``HOROVOD_HIERARCHICAL_ALLREDUCE=0``; other collectives use the flat TCP ring;
+* otherwise the TCP ring (or star / recursive doubling, per ``select_allreduce``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hora._util.log import get_logger
+from hora.collectives.allgather import allgather
+from hora.collectives.allreduce import allreduce
+from hora.collectives.alltoall import alltoall
+from hora.collectives.broadcast import broadcast
+from hora.collectives.comm import Comm, SubComm
+from hora.collectives.hierarchical import host_layout, hierarchical_allreduce, leader_allreduce
+from hora.collectives.ops import ReduceOp
+from hora.collectives.reducescatter import reducescatter
+from hora.collectives.select import select_allreduce
+from hora.collectives.shm import ShmGroup
+from hora.config import Config
+from hora.errors import HoraError, TransportError
+from hora.transports.shm import available_bytes, capacity_for
+from hora.transports.shm_fabric import ShmFabric
+
+log = get_logger(__name__)
+
+SHM_HEADROOM = 4
+"""Use shared memory for an op only if this many times the segments it needs are free:
+each rank holds two data segments of the op's capacity, and /dev/shm is shared with others."""
+
+
+class Route:
+    """The data path of one process set (see the module docstring)."""
+
+    def __init__(self, comm: Comm, config: Config, *, group: ShmGroup | None = None,
+                 shm_free: int = 0, scheme: str = "ring", local: ShmGroup | Comm | None = None,
+                 cross: Comm | None = None) -> None:
+        self.comm = comm
+        self.group = group  # the whole set on one host, over shared memory
+        self.scheme = scheme  # "ring", "shm", "shard", "leader"
+        self._local = local
+        self._cross = cross
+        self._config = config
+        self._shm_free = shm_free
+
+    @property
+    def name(self) -> str:
+        return self.scheme
+
+    def _shm_fits(self, nbytes: int) -> bool:
+        size = self.group.size if self.group is not None else 1
+        return SHM_HEADROOM * 2 * capacity_for(nbytes) * size <= self._shm_free
+
+    def staging(self, nbytes: int) -> np.ndarray | None:
+        """A shared-memory buffer to pack the next fused allreduce into, or None."""
+        if self.group is not None and self._shm_fits(nbytes):
+            return self.group.staging(nbytes)
+        return None
+
+    def allreduce(self, buf: np.ndarray, op: ReduceOp, scratch: np.ndarray) -> str:
+        """Reduce ``buf`` in place; returns the algorithm's name (for the timeline)."""
+        if self.group is not None and self._shm_fits(buf.nbytes):
+            self.group.allreduce(buf, op)
+            return "shm"
+        if self.scheme == "shard" and self._local is not None:
+            hierarchical_allreduce(self._local, self._cross, buf, op, scratch=scratch)
+            return "hierarchical"
+        if self.scheme == "leader" and self._local is not None:
+            leader_allreduce(self._local, self._cross, buf, op, scratch=scratch)
+            return "hierarchical"
+        cfg = self._config
+        algorithm = select_allreduce(buf.nbytes, self.comm.size, cfg.allreduce_algorithm,
+                                     cfg.small_allreduce_bytes)
+        allreduce(self.comm, buf, op, algorithm, scratch=scratch)
+        return algorithm
+
+    def allgather(self, sendbuf: np.ndarray, counts: Sequence[int], out: np.ndarray) -> None:
+        if self.group is not None and self._shm_fits(out.nbytes):
+            self.group.allgather(sendbuf, counts, out)
+        else:
+            allgather(self.comm, sendbuf, counts, out)
+
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        if self.group is not None and self._shm_fits(buf.nbytes):
+            self.group.broadcast(buf, root)
+        else:
+            broadcast(self.comm, buf, root)
+
+    def alltoall(self, sendbuf: np.ndarray, send_counts: Sequence[int], recvbuf: np.ndarray,
+                 recv_counts: Sequence[int]) -> None:
+        if self.group is not None and self._shm_fits(max(sendbuf.nbytes, recvbuf.nbytes)):
+            self.group.alltoall(sendbuf, send_counts, recvbuf, recv_counts)
+        else:
+            alltoall(self.comm, sendbuf, send_counts, recvbuf, recv_counts)
+
+    def reducescatter(self, buf: np.ndarray, counts: Sequence[int], op: ReduceOp,
+                      out: np.ndarray, scratch: np.ndarray) -> None:
+        if self.group is not None and self._shm_fits(buf.nbytes):
+            self.group.reducescatter(buf, counts, op, out)
+        else:
+            reducescatter(self.comm, buf, counts, op, out, scratch=scratch)
+
+    def close(self) -> None:
+        for group in (self.group, self._local):
+            if isinstance(group, ShmGroup):
+                group.close()
+
+
+def build_route(comm: Comm, hostnames: Sequence[str], config: Config, job_id: str) -> Route:
+    """Build the route of a set whose member ``i`` runs on ``hostnames[i]`` (collective)."""
+    if comm.size == 1:
+        return Route(comm, config)
+    layout = host_layout(hostnames, comm.rank)
+    if layout.scheme == "local":
+        group, free = _shm_group(comm, config, job_id) if config.shm else (None, 0)
+        if group is None:
+            return Route(comm, config)
+        log.debug("process set of %d ranks on one host: shared memory", comm.size)
+        return Route(comm, config, group=group, shm_free=free, scheme="shm")
+    hierarchical = config.hierarchical_allreduce
+    if hierarchical is None:  # automatic: worth it only with several ranks per host
+        hierarchical = len(layout.local) > 1
+    if not hierarchical:
+        return Route(comm, config)
+    local_comm: Comm = SubComm(comm, layout.local)
+    local: ShmGroup | Comm = local_comm
+    if config.shm and len(layout.local) > 1:
+        group, _ = _shm_group(local_comm, config, job_id)
+        local = group if group is not None else local_comm
+    cross = SubComm(comm, layout.cross) if layout.cross is not None else None
+    log.debug("process set across hosts: hierarchical allreduce (%s)", layout.scheme)
+    return Route(comm, config, scheme=layout.scheme, local=local, cross=cross)
+
+
+def _shm_group(comm: Comm, config: Config, job_id: str) -> tuple[ShmGroup | None, int]:
+    """A shared-memory group over ``comm`` (all on one host), or None: every member agrees."""
+    free = _agree_min(comm, available_bytes())
+    if free < SHM_HEADROOM * 2 * capacity_for(0) * comm.size:
+        log.warning("/dev/shm has only %d bytes free: ranks on this host use TCP", free)
+        return None, 0
+    try:
+        fabric = ShmFabric.create(comm, job_id, timeout=config.timeout_seconds)
+    except TransportError as exc:  # every member raises together
+        log.warning("shared memory unavailable, ranks on this host use TCP: %s", exc)
+        return None, 0
+    return ShmGroup(fabric), free
+
+
+def _agree_min(comm: Comm, value: int) -> int:
+    """The minimum of ``value`` over ``comm`` (a tiny allreduce), so every rank decides alike."""
+    buf = np.array([value], dtype=np.int64)
+    allreduce(comm, buf, ReduceOp.Min, select_allreduce(8, comm.size, "auto", 1 << 16))
+    return int(buf[0])
+
+
+def close_quietly(route: Any) -> None:
+    try:
+        route.close()
+    except HoraError:
+        log.debug("error closing a route", exc_info=True)

@@ -1,0 +1,352 @@
+"""A same-host group's shared memory and signals: :class:`ShmFabric`.
+
+Transport layer; what :class:`hora.collectives.shm.ShmGroup` runs on (it implements that
+module's ``Fabric`` protocol). Every rank of the group owns three segments
+(:mod:`hora.transports.shm`): a 4 KiB header and two data segments ``d0`` / ``d1``, which the
+collectives use alternately. :meth:`ShmFabric.create` makes this rank's, maps every peer's and
+checks (over a few bytes of the group's :class:`~hora.collectives.comm.Comm`) that all ranks
+succeeded: ranks that do not share ``/dev/shm`` (other hosts) all fail with a
+:class:`~hora.errors.TransportError`. After that the comm is not used.
+
+Signals: each rank's header holds one 32-bit counter that only it increments. A rank *posts* by
+incrementing it and waking futex waiters (~1.6 us); a peer *waits* for the counter to reach a
+value by checking it a few hundred times (microseconds), then sleeping in ``FUTEX_WAIT`` on it (a
+real blocking wait: no core is burnt) in slices of :data:`WAIT_SLICE_S`, checking between slices
+its deadline, whether the peer closed its group (a header flag; closing wakes waiters at once)
+and whether the peer's process is still alive (``/proc/<pid>`` with the start time from its
+header, so a reused pid is not mistaken for it; peers in another pid namespace are not checked
+and rely on the deadline).
+
+Memory ordering: data is written with ordinary stores before the counter store and read after
+the counter is seen, which x86-64 (TSO) keeps in order. Elsewhere the spin is skipped and every
+wait goes through the futex system call.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+
+from hora._util.log import get_logger
+from hora.collectives.comm import Comm
+from hora.errors import HoraTimeoutError, PeerLostError, TransportError
+from hora.transports.shm import (
+    MIN_CAPACITY,
+    SHM_DIR,
+    SPIN_ALLOWED,
+    U8,
+    Segment,
+    capacity_for,
+    futex_wait,
+    futex_wake,
+    job_id_for,
+    process_start_time,
+    segment_path,
+    valid_job_id,
+)
+
+log = get_logger(__name__)
+
+HEADER_BYTES = 4096
+
+SPIN_CHECKS = 300
+"""Counter checks before a wait blocks in the kernel when every rank of the group can have a
+core: ~15-30 us of a Python loop, enough to catch a peer a phase behind on another core (2 ranks
+on 2 cores, measured: 4 KiB allreduce ~12 us with it, ~18-55 us with 0-30 checks)."""
+
+SPIN_CHECKS_OVERSUBSCRIBED = 30
+"""Counter checks when the group has more ranks than this process may use cores: a spinning
+rank then steals the core the rank it waits for needs (4 ranks on 2 cores, measured: barrier
+~40 us with 0-100 checks, 110-250 us with 300, over a millisecond with 3000)."""
+
+WAIT_SLICE_S = 0.05
+"""A blocked wait wakes at least this often to check its deadline and the peer's liveness."""
+
+_MASK, _HALF = 0xFFFFFFFF, 0x80000000
+_MAGIC, _VERSION = 0x41524F48, 1  # "HORA"
+# header layout, in uint32 words; the counter sits alone on its cache line
+(_W_MAGIC, _W_VERSION, _W_STATE, _W_PID, _W_START_LO, _W_START_HI, _W_TOKEN_LO,
+ _W_TOKEN_HI) = range(8)
+_W_CAP = (8, 9)  # capacity of data segment d0 / d1, in KiB
+_W_COUNTER = 16
+_READY, _CLOSED = 1, 2
+_KINDS = ("h", "d0", "d1")
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _exchange(comm: Comm, record: bytes) -> list[bytes]:
+    """Allgather one fixed-size record per rank over ``comm`` (ring of ``sendrecv``)."""
+    size, rank = comm.size, comm.rank
+    records: list[bytes] = [b""] * size
+    records[rank] = record
+    right, left = (rank + 1) % size, (rank - 1) % size
+    incoming = bytearray(len(record))
+    for step in range(size - 1):
+        comm.sendrecv(right, records[(rank - step) % size], left, incoming)
+        records[(rank - step - 1) % size] = bytes(incoming)
+    return records
+
+
+# ---- the fabric -------------------------------------------------------------------------------
+
+class ShmFabric:
+    """Segments and signals shared by the ranks of one same-host group. Build with :meth:`create`.
+
+    Used by one thread at a time (the engine's). Data segment ``parity`` of rank ``r`` is
+    ``own(parity)`` on rank ``r`` and ``peer(r, parity, nbytes)`` elsewhere.
+    """
+
+    def __init__(self, comm: Comm, group: str, timeout: float, segments: list[Segment],
+                 peers: dict[int, list[Segment]]) -> None:
+        self._comm = comm
+        self.group = group
+        self.timeout = timeout
+        self.rank, self.size = comm.rank, comm.size
+        self._own = segments
+        self._peers = peers
+        self._closed = False
+        self._header = segments[0].array.data.cast("I")
+        self._counter_address = segments[0].address + 4 * _W_COUNTER
+        self._posted = 0
+        self._peer_headers = {p: s[0].array.data.cast("I") for p, s in peers.items()}
+        self._peer_start = {p: self._verifiable_start(h) for p, h in self._peer_headers.items()}
+        self._lost_global = getattr(comm, "ranks", None)
+        self._spin = (SPIN_CHECKS if self.size <= _usable_cpus() else SPIN_CHECKS_OVERSUBSCRIBED
+                      ) if SPIN_ALLOWED else 0
+
+    # -- construction --
+    @classmethod
+    def create(cls, comm: Comm, job_id: str, *, timeout: float) -> ShmFabric:
+        """Create this rank's segments, map every peer's, and check they are the same host's.
+
+        Every rank of ``comm`` calls this at the same time (it exchanges a few bytes over
+        ``comm``). All ranks succeed or all raise.
+
+        Raises:
+            TransportError: a segment could not be created (``/dev/shm`` missing or full) or a
+                peer's could not be mapped (the ranks do not share ``/dev/shm``: not one host).
+            PeerLostError, HoraTimeoutError: from ``comm``.
+        """
+        if not valid_job_id(job_id):
+            job_id = job_id_for(job_id, None)
+        tokens = _exchange(comm, secrets.token_bytes(8))
+        group = tokens[0].hex()
+        token = int.from_bytes(tokens[0], "little")
+        rank, size = comm.rank, comm.size
+        own: list[Segment] = []
+        peers: dict[int, list[Segment]] = {}
+        try:
+            error: BaseException | None = None
+            try:
+                own = [Segment.create(segment_path(job_id, group, rank, "h"), HEADER_BYTES)]
+                own += [Segment.create(segment_path(job_id, group, rank, k), MIN_CAPACITY)
+                        for k in _KINDS[1:]]
+                _init_header(own[0], token)
+            except (OSError, TransportError) as exc:
+                error = exc
+            _agree(comm, error, "create its shared memory segments")
+            try:
+                for peer in range(size):
+                    if peer != rank:
+                        peers[peer] = _open_peer(job_id, group, peer, token)
+            except (OSError, TransportError) as exc:
+                error = exc
+            _agree(comm, error, "map its peers' shared memory segments (HINT: shared memory "
+                   f"only works between ranks on one host that share {SHM_DIR})")
+        except BaseException:
+            for seg in own + [s for segs in peers.values() for s in segs]:
+                seg.close()
+            raise
+        fabric = cls(comm, group, timeout, own, peers)
+        log.debug("shm group %s: %d ranks, job %s", group, size, job_id)
+        return fabric
+
+    def _verifiable_start(self, header: memoryview) -> int | None:
+        pid = header[_W_PID]
+        start = header[_W_START_LO] | (header[_W_START_HI] << 32)
+        return start if start and process_start_time(pid) == start else None
+
+    # -- identity --
+    def describe(self, peer: int) -> str:
+        return self._comm.describe(peer)
+
+    @property
+    def paths(self) -> list[str]:
+        """This rank's segment files."""
+        return [s.path for s in self._own]
+
+    # -- data segments --
+    def reserve(self, parity: int, nbytes: int) -> U8:
+        """This rank's data segment ``parity``, grown to hold ``nbytes``; publishes the size.
+
+        Call before posting the signal after which peers read it.
+        """
+        seg = self._own[1 + parity]
+        if seg.size < nbytes:
+            cap = capacity_for(nbytes)
+            seg.grow(cap)
+            self._header[_W_CAP[parity]] = cap >> 10
+        return seg.array
+
+    def own(self, parity: int) -> U8:
+        return self._own[1 + parity].array
+
+    def peer(self, peer: int, parity: int, nbytes: int) -> U8:
+        """Peer ``peer``'s data segment ``parity`` (at least ``nbytes``), remapped if it grew.
+
+        Call only after waiting for the peer's signal that follows its :meth:`reserve`.
+        """
+        seg = self._peers[peer][1 + parity]
+        if seg.size < nbytes:
+            cap = self._peer_headers[peer][_W_CAP[parity]] << 10
+            if cap < nbytes:
+                raise TransportError(
+                    f"rank {self.rank}: {self.describe(peer)} published a {cap}-byte shared "
+                    f"segment but this collective needs {nbytes}: the ranks disagree on the "
+                    "collective's size (a bug: every rank must run the same collectives)")
+            seg.remap(cap)
+        return seg.array
+
+    # -- signals --
+    @property
+    def posted(self) -> int:
+        """Signals this rank has posted so far (mod 2**32)."""
+        return self._posted
+
+    def post(self) -> int:
+        """Signal every peer (increment this rank's counter and wake waiters); the new count."""
+        self._posted = (self._posted + 1) & _MASK
+        self._header[_W_COUNTER] = self._posted
+        futex_wake(self._counter_address)
+        return self._posted
+
+    def wait_all(self, target: int) -> None:
+        """Wait until every peer has posted ``target`` signals (in this group's lifetime)."""
+        for peer in self._peers:
+            self.wait(peer, target)
+
+    def wait(self, peer: int, target: int) -> None:
+        """Wait until ``peer`` has posted ``target`` signals.
+
+        Raises:
+            HoraTimeoutError: not within ``timeout`` seconds (names the peer).
+            PeerLostError: the peer closed its group or its process died (names it).
+        """
+        header = self._peer_headers[peer]
+        for _ in range(self._spin):
+            if (header[_W_COUNTER] - target) & _MASK < _HALF:
+                return
+        address = self._peers[peer][0].address + 4 * _W_COUNTER
+        start = time.monotonic()
+        deadline = start + self.timeout
+        check_alive = start + WAIT_SLICE_S
+        while True:
+            value = header[_W_COUNTER]
+            if (value - target) & _MASK < _HALF:
+                return
+            if header[_W_STATE] != _READY:
+                raise self._lost(peer, "closed its shared memory group")
+            now = time.monotonic()
+            if now >= check_alive:
+                if not self._alive(peer):
+                    raise self._lost(peer, "died")
+                check_alive = now + WAIT_SLICE_S
+            if now >= deadline:
+                raise HoraTimeoutError(
+                    f"rank {self.rank}: {self.describe(peer)} sent no shared-memory signal for "
+                    f"{self.timeout:g} s (waiting for signal {target}, it is at {value}); it "
+                    "may be stuck, much slower, or in a different collective. HINT: raise "
+                    "HORA_TIMEOUT_SECONDS if this is expected.")
+            futex_wait(address, value, min(WAIT_SLICE_S, deadline - now))
+
+    def _alive(self, peer: int) -> bool:
+        start = self._peer_start.get(peer)
+        if start is None:
+            return True  # not verifiable (another pid namespace): rely on the deadline
+        return process_start_time(self._peer_headers[peer][_W_PID]) == start
+
+    def _lost(self, peer: int, what: str) -> PeerLostError:
+        ranks = self._lost_global
+        global_peer = ranks[peer] if isinstance(ranks, list) else peer
+        return PeerLostError(
+            f"rank {self.rank}: {self.describe(peer)} {what} during a shared-memory collective; "
+            "HINT: look at that rank's output for the original error", peer=global_peer)
+
+    # -- shutdown --
+    def close(self) -> None:
+        """Tell peers this rank left (they raise PeerLostError if waiting), unmap, unlink."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._header[_W_STATE] = _CLOSED
+            futex_wake(self._counter_address)
+        except (ValueError, IndexError):
+            pass
+        self._header.release()
+        for view in self._peer_headers.values():
+            view.release()
+        for seg in self._own + [s for segs in self._peers.values() for s in segs]:
+            seg.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort if close() was forgotten
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _init_header(seg: Segment, token: int) -> None:
+    header = seg.array.data.cast("I")
+    pid = os.getpid()
+    start = process_start_time(pid) or 0
+    header[_W_MAGIC], header[_W_VERSION], header[_W_PID] = _MAGIC, _VERSION, pid
+    header[_W_START_LO], header[_W_START_HI] = start & _MASK, (start >> 32) & _MASK
+    header[_W_TOKEN_LO], header[_W_TOKEN_HI] = token & _MASK, token >> 32
+    header[_W_CAP[0]] = header[_W_CAP[1]] = MIN_CAPACITY >> 10
+    header[_W_COUNTER] = 0
+    header[_W_STATE] = _READY
+    header.release()
+
+
+def _open_peer(job_id: str, group: str, peer: int, token: int) -> list[Segment]:
+    segs: list[Segment] = []
+    try:
+        for kind in _KINDS:
+            segs.append(Segment.open(segment_path(job_id, group, peer, kind)))
+        header = segs[0].array.data.cast("I")
+        got = (header[_W_MAGIC], header[_W_VERSION],
+               header[_W_TOKEN_LO] | (header[_W_TOKEN_HI] << 32), header[_W_STATE])
+        header.release()
+        if got != (_MAGIC, _VERSION, token, _READY):
+            raise TransportError(f"{segs[0].path} is not the segment rank {peer} just created "
+                                 f"(magic/version/token/state {got})")
+    except BaseException:
+        for seg in segs:
+            seg.close()
+        raise
+    return segs
+
+
+def _agree(comm: Comm, error: BaseException | None, doing: str) -> None:
+    """All ranks learn whether every rank succeeded; all raise if one failed."""
+    flags = _exchange(comm, b"\x00" if error is None else b"\x01")
+    failed = [r for r, f in enumerate(flags) if f != b"\x00"]
+    if not failed:
+        return
+    if error is not None:
+        raise TransportError(f"rank {comm.rank} could not {doing}: {error}") from error
+    names = ", ".join(comm.describe(r) for r in failed)
+    raise TransportError(f"{names} could not {doing}; see that rank's error")
+
+
+__all__ = ["HEADER_BYTES", "SPIN_CHECKS", "SPIN_CHECKS_OVERSUBSCRIBED", "WAIT_SLICE_S",
+           "ShmFabric"]
