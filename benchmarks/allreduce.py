@@ -89,7 +89,9 @@ def worker_vs_gloo(max_mib: int, rounds: int) -> None:
         # every rank's median; report the slowest rank (the op is done when the last rank is)
         med = {lib: max(hora.allgather_object(statistics.median(t), name=f"m{lib}{nbytes}"))
                for lib, t in times.items()}
-        algo = select_allreduce(nbytes, n, cfg.allreduce_algorithm, cfg.small_allreduce_bytes)
+        algo = context.get().engine.data_path(0) or "?"
+        if algo == "ring":
+            algo = select_allreduce(nbytes, n, cfg.allreduce_algorithm, cfg.small_allreduce_bytes)
         rows.append((nbytes, algo, med["hora"], med["gloo"]))
     if rank == 0:
         print(f"\nallreduce float32, {n} ranks, 1 thread each; median per op; "
@@ -149,6 +151,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="ABAB rounds per size")
     parser.add_argument("--algorithms", action="store_true", help="star vs ring at 2, 3, 4 ranks")
     parser.add_argument("--algo-mib", type=int, nargs="+", default=[4, 32])
+    parser.add_argument("--tcp", action="store_true",
+                        help="measure hora's TCP ring (HORA_SHM=0) instead of shared memory")
     parser.add_argument("--worker", choices=["gloo", "algos"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "gloo":
@@ -163,7 +167,8 @@ def main() -> None:
                 sys.exit(rc)
     else:
         sys.exit(_launch(args.np, ["--worker", "gloo", "--max-mib", str(args.max_mib),
-                                   "--rounds", str(args.rounds)]))
+                                   "--rounds", str(args.rounds)],
+                         env={"HORA_SHM": "0"} if args.tcp else None))
 
 
 if __name__ == "__main__":

@@ -117,6 +117,10 @@ class Engine:
         with self._names_lock:
             self._names.discard(key)
 
+    def data_path(self, set_id: int = 0) -> str | None:
+        """The data path the set's collectives use (after its first one), for logs/benchmarks."""
+        return self._executor.route_name(set_id)
+
     @property
     def error(self) -> HoraInternalError | None:
         return self._error

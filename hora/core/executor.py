@@ -94,8 +94,13 @@ class Executor:
             hosts = self._hostnames or ["localhost"] * self._comm.size
             route = build_route(comm, [hosts[r] for r in ranks], self._config, self._job_id)
             self._routes[set_id] = route
-            log.debug("process set %d uses %s", set_id, route.name)
+            log.info("process set %d (%d ranks) data path: %s", set_id, comm.size, route.name)
         return route
+
+    def route_name(self, set_id: int) -> str | None:
+        """The data path a set uses ('shm', 'ring', 'shard', 'leader'), once it has one."""
+        route = self._routes.get(set_id)
+        return None if route is None else route.name
 
     def forget_set(self, set_id: int) -> None:
         self._subcomms.pop(set_id, None)

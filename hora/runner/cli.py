@@ -38,7 +38,7 @@ PROG = "hora"
 
 _GROUPS: tuple[tuple[str, str], ...] = (
     ("general", "general"),
-    ("ssh", "ssh (multi-host launch: not yet; accepted, unused for local hosts)"),
+    ("ssh", "ssh (ranks on hosts other than this machine are started over ssh)"),
     ("tunables", "tunables (exported to the ranks as HORA_* variables)"),
     ("autotune", "autotune (accepted; no effect yet)"),
     ("elastic", "elastic (not implemented yet: these flags are refused)"),
@@ -46,7 +46,7 @@ _GROUPS: tuple[tuple[str, str], ...] = (
     ("stall", "stall check"),
     ("library", "library"),
     ("logging", "logging"),
-    ("hosts", "hosts (only this machine for now)"),
+    ("hosts", "hosts"),
     ("controller", "controller"),
     ("env", "environment"),
 )
@@ -110,6 +110,8 @@ _JSRUN_HINT = ("hora has no jsrun launcher mode. Start the ranks with `hora run 
 _RUN_EPILOG = """\
 examples:
   hora run -np 4 python train.py                 4 ranks on this machine
+  hora run -np 8 -H a:4,b:4 python train.py      4 ranks on host a, 4 on host b (over ssh)
+  hora run -np 8 --hostfile hosts.txt -p 2222 -i ~/.ssh/id_job --network-interface eth1 ...
   hora run -np 2 --fusion-threshold-mb 32 -x OMP_NUM_THREADS=1 python train.py
   hora run -np 4 --output-filename logs python train.py
   mpirun -np 4 python train.py                   works too: no hora run needed
@@ -118,6 +120,12 @@ Every rank gets HOROVOD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE/CROSS_RANK/CROSS_SIZE/HO
 same as HORA_*), the rendezvous address and a per-job secret in its environment. Output lines
 are prefixed [<rank>]<stdout>: / [<rank>]<stderr>:. The first rank to fail stops the job: the
 others get SIGTERM, then SIGKILL, and hora run exits with the failed rank's status.
+
+Hosts other than this machine are reached with the system ssh (BatchMode: passwordless), checked
+in parallel before anything starts; their ranks run the launcher's Python path in the launcher's
+working directory, with the launcher's environment (and -x) sent over ssh's stdin -- the job
+secret never appears on a command line. Ranks fill the hosts in the order given, and exactly -np
+ranks start even when the hosts list more slots. See docs/multihost.md.
 """
 
 _TOP_HELP = f"""\
@@ -126,7 +134,8 @@ usage: {PROG} <command> [options]
 Distributed data-parallel training with Horovod's API, in pure Python.
 
 commands:
-  run      launch a job on this host:  {PROG} run -np 4 python train.py
+  run      launch a job:               {PROG} run -np 4 python train.py
+                                       {PROG} run -np 8 -H a:4,b:4 python train.py
   check    show frameworks, transports and launchers (also: {PROG} run --check-build)
   timeline summarize a timeline file:  {PROG} timeline timeline.json
 
@@ -223,7 +232,8 @@ def build_run_parser() -> argparse.ArgumentParser:
     """The ``hora run`` parser: horovodrun's flags plus the generated knob flags."""
     parser = _Parser(
         prog=f"{PROG} run", usage=f"{PROG} run [options] -np N command [args ...]",
-        description="Launch N ranks of a training script on this machine (horovodrun's flags).",
+        description="Launch N ranks of a training script on this machine or, over ssh, on "
+                    "other hosts (horovodrun's flags).",
         epilog=_RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     groups = {key: parser.add_argument_group(title) for key, title in _GROUPS}
     g = groups["general"]
@@ -234,12 +244,15 @@ def build_run_parser() -> argparse.ArgumentParser:
                    help="show the frameworks, controllers and tensor operations available "
                         "(as horovodrun -cb), then exit")
     g.add_argument("--disable-cache", action="store_true",
-                   help="accepted for compatibility (hora run caches nothing)")
+                   help="accepted for compatibility: hora run caches nothing, the ssh checks "
+                        "of remote hosts run for every job")
     g.add_argument("--network-interfaces", metavar="IF[,IF...]",
                    help="comma list of network interfaces the ranks use (HORA_GLOO_IFACE is "
                         "the first; NCCL_SOCKET_IFNAME all of them)")
     g.add_argument("--network-interface", action="append", metavar="IF",
-                   help="one network interface; repeatable")
+                   help="network interface the rendezvous store and every rank use (their "
+                        "address on it; it must exist on every host); repeatable [default: "
+                        "loopback on one host, else the route toward the other hosts]")
     g.add_argument("--output-filename", metavar="DIR",
                    help="also write each rank's output to DIR/rank.<r>/stdout and stderr")
     g.add_argument("--verbose", action="store_true",
@@ -252,8 +265,10 @@ def build_run_parser() -> argparse.ArgumentParser:
                    help="the program to run on every rank, and its arguments")
 
     s = groups["ssh"]
-    s.add_argument("-p", "--ssh-port", type=_positive_int, metavar="PORT", help="ssh port")
-    s.add_argument("-i", "--ssh-identity-file", metavar="FILE", help="ssh private key")
+    s.add_argument("-p", "--ssh-port", type=_positive_int, metavar="PORT",
+                   help="ssh port of every remote host [default: ssh's own]")
+    s.add_argument("-i", "--ssh-identity-file", metavar="FILE",
+                   help="ssh private key for the remote hosts")
 
     e = groups["elastic"]
     e.add_argument("--min-np", "--min-num-proc", dest="min_np", type=_positive_int,
@@ -297,7 +312,8 @@ def build_run_parser() -> argparse.ArgumentParser:
 
     hosts = groups["hosts"].add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", metavar="HOST:SLOTS[,...]",
-                       help="hosts and slots, e.g. localhost:4 [default: localhost:<np>]")
+                       help="hosts and slots in rank order, e.g. a:4,b:4; hosts other than this "
+                            "machine are started over ssh [default: localhost:<np>]")
     hosts.add_argument("-hostfile", "--hostfile", metavar="FILE",
                        help="file with lines '<hostname> slots=<n>'")
     hosts.add_argument("--host-discovery-script", metavar="SCRIPT",
@@ -471,11 +487,10 @@ def spec_from_args(ns: argparse.Namespace) -> LaunchSpec:
     for flag, value in (("--mpi-args", ns.mpi_args), ("--binding-args", ns.binding_args)):
         if value is not None:
             say(f"note: {flag} is ignored: hora run starts the ranks itself, not via mpirun.")
-    if ns.verbose and (ns.ssh_port is not None or ns.ssh_identity_file is not None):
-        say("note: ssh options are unused: every host of this job is this machine.")
     return LaunchSpec(np=ns.np, command=tuple(command), hosts=hosts, env=env,
                       output_filename=ns.output_filename, verbose=ns.verbose,
-                      start_timeout=start_timeout, prefix_timestamp=ns.prefix_timestamp)
+                      start_timeout=start_timeout, prefix_timestamp=ns.prefix_timestamp,
+                      ssh_port=ns.ssh_port, ssh_identity_file=ns.ssh_identity_file)
 
 
 # ---- entry points ------------------------------------------------------------------------------

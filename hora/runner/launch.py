@@ -14,8 +14,11 @@ Runner layer. The flow is ``hora run`` flags -> :class:`LaunchSpec` (this module
 * a rendezvous store (:class:`hora.rendezvous.kvstore.KVStoreServer`) served by the launcher
   for the life of the job.
 
-:func:`hora.runner.local.run_local` then runs the processes. Hosts other than this machine are
-refused for now (issue "Launch across hosts").
+:func:`hora.runner.local.run_local` then runs the processes: ranks on this machine directly,
+ranks on other hosts through ``ssh`` (:mod:`hora.runner.ssh`: the hosts are checked first, in
+parallel; each remote rank's environment, secret included, travels over ssh's stdin). Host lists
+and slot assignment live in :mod:`hora.runner.hosts`, the choice of the store's address in
+:mod:`hora.runner.network`.
 """
 
 from __future__ import annotations
@@ -25,21 +28,19 @@ import re
 import secrets
 import shlex
 import socket
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from hora._util.net import is_loopback, local_hostname
-from hora.config import KNOBS_BY_NAME, cli_value_to_env, load
+from hora.config import KNOBS_BY_NAME, Config, cli_value_to_env, load
 from hora.errors import ConfigError
 from hora.rendezvous.kvstore import KVStoreServer
 from hora.rendezvous.topology import Slot, compute_topology
+from hora.runner import local, network, ssh
+from hora.runner.hosts import HostSlots, assign_hosts, is_local_host, parse_hostfile, parse_hosts
 from hora.runner.local import CONSOLE, Console, RankLaunch, run_local
-
-RENDEZVOUS_HOST = "127.0.0.1"
-"""Where the launcher serves the rendezvous store for single-host jobs (Horovod: the interface
-owning 127.0.0.1)."""
 
 SECRET_VAR = "HORA_SECRET_KEY"
 
@@ -61,16 +62,7 @@ LAUNCHER_DEFAULTS: Mapping[str, str] = {
 # Never forwarded to ranks (Horovod's list, §5.4). CUDA_VISIBLE_DEVICES is in Horovod's list
 # for *remote* hosts only; local ranks keep it, as they do under horovodrun.
 _NOT_FORWARDED = re.compile(r"^(BASH_FUNC_.*|OLDPWD|_HOROVOD_SECRET_KEY)$")
-
-_HOST_ENTRY = re.compile(r"^[\w.-]+(:\d+)?$")
-
-
-@dataclass(frozen=True)
-class HostSlots:
-    """A host and how many ranks may run on it."""
-
-    host: str
-    slots: int
+_NOT_FORWARDED_REMOTE = re.compile(r"^.*CUDA_VISIBLE_DEVICES$")
 
 
 @dataclass(frozen=True)
@@ -89,6 +81,8 @@ class LaunchSpec:
         start_timeout: seconds the ranks have to start and meet at the rendezvous; exported as
             ``HORA_START_TIMEOUT`` when set.
         prefix_timestamp: put a time stamp before each relayed output line.
+        ssh_port: ``-p``: the ssh port of every remote host.
+        ssh_identity_file: ``-i``: the ssh private key for the remote hosts.
     """
 
     np: int
@@ -99,122 +93,14 @@ class LaunchSpec:
     verbose: bool = False
     start_timeout: float | None = None
     prefix_timestamp: bool = False
+    ssh_port: int | None = None
+    ssh_identity_file: str | None = None
 
     def __post_init__(self) -> None:
         # Accept any sequence for convenience; store immutable tuples.
         object.__setattr__(self, "command", tuple(self.command))
         object.__setattr__(self, "hosts", tuple(self.hosts))
         object.__setattr__(self, "env", MappingProxyType(dict(self.env)))
-
-
-# ---- hosts -------------------------------------------------------------------------------------
-
-def parse_hosts(text: str) -> tuple[HostSlots, ...]:
-    """Parse ``-H``: ``"h1:2,h2:4"``; a host without ``:slots`` has one slot.
-
-    Raises:
-        ConfigError: an entry is not ``<hostname>[:<slots>]`` or has 0 slots.
-    """
-    hosts = []
-    for entry in text.split(","):
-        entry = entry.strip()
-        if not _HOST_ENTRY.match(entry):
-            raise ConfigError(
-                f"-H/--hosts {text!r}: {entry!r} is not <hostname>:<slots>; expected e.g. "
-                "-H localhost:4 or -H host1:2,host2:2")
-        host, _, slots = entry.partition(":")
-        hosts.append(HostSlots(host, _slot_count(slots or "1", f"-H/--hosts {text!r}")))
-    return tuple(hosts)
-
-
-def parse_hostfile(path: str | os.PathLike[str]) -> tuple[HostSlots, ...]:
-    """Parse a host file: lines ``<hostname> slots=<n>`` (``slots`` optional, default 1).
-
-    Blank lines and ``#`` comments are ignored.
-
-    Raises:
-        ConfigError: the file cannot be read, a line is malformed, or it lists no host.
-    """
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise ConfigError(f"--hostfile {str(path)!r}: cannot read it: {exc.strerror}") from None
-    hosts = []
-    for number, line in enumerate(lines, 1):
-        words = line.split("#", 1)[0].split()
-        if not words:
-            continue
-        where = f"--hostfile {str(path)!r} line {number}"
-        slots = "1"
-        for word in words[1:]:
-            key, sep, value = word.partition("=")
-            if not sep or key not in ("slots", "max_slots"):
-                raise ConfigError(f"{where}: {line.strip()!r} is not '<hostname> slots=<n>'")
-            if key == "slots":
-                slots = value
-        if not _HOST_ENTRY.match(words[0]) or ":" in words[0]:
-            raise ConfigError(f"{where}: {words[0]!r} is not a host name")
-        hosts.append(HostSlots(words[0], _slot_count(slots, where)))
-    if not hosts:
-        raise ConfigError(f"--hostfile {str(path)!r} lists no hosts")
-    return tuple(hosts)
-
-
-def _slot_count(text: str, where: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise ConfigError(f"{where}: slots must be a whole number >= 1, not {text!r}")
-    return int(text)
-
-
-def is_local_host(host: str) -> bool:
-    """Whether ``host`` names this machine: ``localhost``, a loopback address, this host's
-    name, or a name or address that resolves to one of this host's addresses."""
-    name = host.lower()
-    if is_loopback(name) or name in ("localhost.localdomain", "ip6-localhost"):
-        return True
-    me = local_hostname().lower()
-    if name in (me, me.split(".")[0]):
-        return True
-    try:
-        theirs = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except OSError:
-        return False
-    mine = {"0.0.0.0"}
-    try:
-        mine.update(socket.gethostbyname_ex(local_hostname())[2])
-    except OSError:
-        pass
-    return any(is_loopback(str(addr)) or addr in mine for addr in theirs)
-
-
-def assign_hosts(np: int, hosts: Sequence[HostSlots]) -> list[str]:
-    """Host of each rank ``0..np-1``: hosts in the given order, each filled to its slots.
-
-    Unlike Horovod's static gloo launcher (which runs a rank on *every* listed slot), exactly
-    ``np`` ranks are started.
-
-    Raises:
-        ConfigError: fewer slots than ``np``, or a host that is not this machine.
-    """
-    if not hosts:
-        hosts = (HostSlots("localhost", np),)
-    total = sum(h.slots for h in hosts)
-    if total < np:
-        listed = ",".join(f"{h.host}:{h.slots}" for h in hosts)
-        raise ConfigError(f"too few slots: -np {np} but the hosts ({listed}) provide only "
-                          f"{total}; add slots or lower -np")
-    remote = sorted({h.host for h in hosts if not is_local_host(h.host)})
-    if remote:
-        raise ConfigError(
-            f"multi-host launch is not available yet in `hora run` (issue \"Launch across "
-            f"hosts\"): {', '.join(remote)} {'is' if len(remote) == 1 else 'are'} not this "
-            f"machine ({local_hostname()}). Use localhost / 127.0.0.1 / {local_hostname()} "
-            "here; meanwhile ranks on several hosts can be started by mpirun or srun "
-            "(e.g. `mpirun -np 8 -H a:4,b:4 -x HORA_RENDEZVOUS_ADDR=a python train.py`).")
-    names: list[str] = []
-    for host in hosts:
-        names += [host.host] * min(host.slots, np - len(names))
-    return names
 
 
 # ---- environment -------------------------------------------------------------------------------
@@ -247,7 +133,7 @@ def launcher_variables(spec: LaunchSpec) -> dict[str, str]:
     return env
 
 
-def _validate(spec: LaunchSpec, env: Mapping[str, str]) -> None:
+def _validate(spec: LaunchSpec, env: Mapping[str, str]) -> Config:
     if spec.np < 1:
         raise ConfigError(f"-np must be >= 1, not {spec.np}")
     if not spec.command:
@@ -257,14 +143,64 @@ def _validate(spec: LaunchSpec, env: Mapping[str, str]) -> None:
         raise ConfigError(f"{', '.join(overridden)} cannot be set for the ranks: `hora run` "
                           "sets it for each rank itself")
     # One clear error here instead of the same ConfigError from every rank.
-    load(env, strict=True)
+    return load(env, strict=True)
 
 
 # ---- launch ------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class _Remote:
+    """How this job reaches the hosts that are not this machine (none: an empty ``hosts``)."""
+
+    hosts: tuple[str, ...]
+    options: ssh.SshOptions
+    python: str
+    grace: float
+
+
+def _store_address(remote: _Remote, config: Config) -> network.StoreAddress:
+    first: tuple[str, ...] = ()
+    if remote.hosts:
+        first = (remote.hosts[0] if config.gloo_iface else
+                 network.resolve(ssh.ssh_hostname(remote.hosts[0], remote.options)),)
+    return network.store_address(first, config.gloo_iface)
+
+
+def _check_remote_hosts(remote: _Remote, address: str, config: Config,
+                        console: Console, verbose: bool) -> None:
+    """Every remote host must run ranks and reach ``address`` (a probe listener there)."""
+    if verbose:
+        console.say(f"checking ssh to {len(remote.hosts)} host(s) in parallel: "
+                    f"{', '.join(remote.hosts)} (timeout {config.start_timeout:g} s)")
+    with socket.create_server((address, 0), family=socket.AF_INET6 if ":" in address
+                              else socket.AF_INET) as probe:
+        results = ssh.check_hosts(remote.hosts, remote.options, python=remote.python,
+                                  connect_back=(address, probe.getsockname()[1]),
+                                  iface=config.gloo_iface, timeout=config.start_timeout)
+    if verbose:
+        console.say("ssh check passed: " + ", ".join(f"{r.host} ({r.seconds:.2f} s)"
+                                                      for r in results))
+
+
+def _rank_launch(slot: Slot, env: dict[str, str], spec: LaunchSpec, remote: _Remote) -> RankLaunch:
+    """A local rank runs ``spec.command`` with ``env``; a remote one runs ssh, and ``env`` (less
+    what Horovod never forwards to other hosts) goes over ssh's stdin."""
+    if slot.hostname not in remote.hosts:
+        return RankLaunch(slot, env)
+    sent = {k: v for k, v in env.items() if not _NOT_FORWARDED_REMOTE.match(k)}
+    request = ssh.rank_request(argv=spec.command, env=sent, cwd=os.getcwd(),
+                               grace=remote.grace, rank=slot.rank, host=slot.hostname,
+                               job_id=env["HORA_JOB_ID"])
+    # ssh itself runs with the launcher's own environment (agent socket, PATH); the job id lets
+    # the supervisor clean this host's /dev/shm whichever rank comes first.
+    ssh_env = {**os.environ, "HORA_JOB_ID": env["HORA_JOB_ID"]}
+    argv = ssh.rank_argv(slot.hostname, slot.rank, remote.python, remote.options)
+    return RankLaunch(slot, ssh_env, argv=argv, stdin=request)
+
+
 def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None,
            console: Console = CONSOLE) -> int:
-    """Start the job described by ``spec`` on this host and wait for it.
+    """Start the job described by ``spec`` and wait for it.
 
     Args:
         spec: the job.
@@ -273,17 +209,32 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None,
 
     Returns:
         The job's exit status: 0 if every rank exited 0; the first failing rank's exit code
-        (128 + N for signal N); 128 + N if the launcher got signal N (130 for Ctrl-C).
+        (128 + N for signal N; a remote rank killed by signal N also gives 128 + N); 128 + N if
+        the launcher got signal N (130 for Ctrl-C).
 
     Raises:
-        ConfigError: the spec cannot run (bad -np, no command, too few slots, a remote host, an
-            unknown or malformed ``HORA_*`` variable), before anything is started.
+        ConfigError: the spec cannot run (bad -np, no command, too few slots, an unknown
+            network interface, no ssh client, an unknown or malformed ``HORA_*`` variable),
+            before anything is started.
+        HostCheckError: a remote host cannot run ranks (unreachable over ssh, no Python, cannot
+            connect back, no such interface); every such host is named.
         RendezvousError: the rendezvous store could not be started.
     """
     own = launcher_variables(spec)
     base = {**forwardable_environment(os.environ if environ is None else environ), **own}
-    _validate(spec, base)
+    config = _validate(spec, base)
     slots = compute_topology(assign_hosts(spec.np, spec.hosts))
+    remote = _Remote(
+        hosts=tuple(dict.fromkeys(s.hostname for s in slots if not is_local_host(s.hostname))),
+        options=ssh.SshOptions(spec.ssh_port, spec.ssh_identity_file,
+                               connect_timeout=min(10.0, config.start_timeout)),
+        python=sys.executable, grace=max(0.5, local.GRACE_PERIOD_S - 1.0))
+    if remote.hosts:
+        ssh.ssh_program()  # no ssh client: a clear error before anything starts
+        key = spec.ssh_identity_file
+        if key is not None and not os.path.isfile(key):
+            raise ConfigError(f"-i/--ssh-identity-file {key!r}: no such file")
+    where = _store_address(remote, config)
     if spec.output_filename is not None:
         try:
             Path(spec.output_filename).mkdir(parents=True, exist_ok=True)
@@ -291,16 +242,18 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None,
             raise ConfigError(f"--output-filename {spec.output_filename!r}: cannot create the "
                               f"directory: {exc.strerror or exc}") from None
     secret = secrets.token_hex(32)
-    server = KVStoreServer(bytes.fromhex(secret), RENDEZVOUS_HOST, 0).start()
+    server = KVStoreServer(bytes.fromhex(secret), where.address, 0).start()
     try:
         rendezvous = {"HORA_RENDEZVOUS_ADDR": server.host, "HORA_RENDEZVOUS_PORT": str(server.port),
                       "HOROVOD_GLOO_RENDEZVOUS_ADDR": server.host,
                       "HOROVOD_GLOO_RENDEZVOUS_PORT": str(server.port),
                       "HORA_JOB_ID": secrets.token_hex(8)}
         if spec.verbose:
-            _describe(spec, slots, {**own, **rendezvous}, console)
-        ranks = [RankLaunch(slot, {**base, **rendezvous, **identity_environment(slot),
-                                   SECRET_VAR: secret})
+            _describe(spec, slots, {**own, **rendezvous}, where, remote, console)
+        if remote.hosts:
+            _check_remote_hosts(remote, where.address, config, console, spec.verbose)
+        ranks = [_rank_launch(slot, {**base, **rendezvous, **identity_environment(slot),
+                                     SECRET_VAR: secret}, spec, remote)
                  for slot in slots]
         return run_local(spec.command, ranks, output_dir=spec.output_filename,
                          prefix_timestamp=spec.prefix_timestamp, console=console)
@@ -309,18 +262,26 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None,
 
 
 def _describe(spec: LaunchSpec, slots: Sequence[Slot], env: Mapping[str, str],
-              console: Console) -> None:
+              where: network.StoreAddress, remote: _Remote, console: Console) -> None:
     """--verbose: what is started, with which variables. The secret is never shown."""
-    store = (f"rendezvous store: {env['HORA_RENDEZVOUS_ADDR']}:{env['HORA_RENDEZVOUS_PORT']} "
-             f"(authenticated with a per-job secret passed to ranks in ${SECRET_VAR})")
+    nic = f" on {where.interface}" if where.interface else ""
+    store = (f"rendezvous store: {env['HORA_RENDEZVOUS_ADDR']}:{env['HORA_RENDEZVOUS_PORT']}"
+             f"{nic}: {where.reason} (authenticated with a per-job secret passed to ranks in "
+             f"${SECRET_VAR})")
     lines = [store,
              f"command: {shlex.join(spec.command)}",
              "variables set for every rank: " + " ".join(
                  f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()) if k != SECRET_VAR)]
+    if remote.hosts:
+        lines.append(f"remote hosts (over ssh): {', '.join(remote.hosts)}; their ranks get the "
+                     f"variables over ssh's stdin and run {remote.python} in {os.getcwd()}")
     for slot in slots:
         ident = identity_environment(slot)
+        how = (" via " + shlex.join(ssh.rank_argv(slot.hostname, slot.rank, remote.python,
+                                                  remote.options))
+               if slot.hostname in remote.hosts else "")
         lines.append(f"rank {slot.rank}: " + " ".join(
-            f"{k}={shlex.quote(v)}" for k, v in ident.items() if k.startswith("HOROVOD_")))
+            f"{k}={shlex.quote(v)}" for k, v in ident.items() if k.startswith("HOROVOD_")) + how)
     if spec.output_filename is not None:
         lines.append(f"copying output to {spec.output_filename}/rank.<r>/{{stdout,stderr}}")
     console.say("\n".join(lines))

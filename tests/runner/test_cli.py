@@ -37,8 +37,6 @@ def spec(*argv: str) -> LaunchSpec:
     (("-np", "2", "--host-discovery-script", "d.sh", "true"),
      "elastic mode is not implemented yet in hora (--host-discovery-script given)"),
     (("-np", "2", "--blacklist-cooldown-range", "1", "5", "true"), "elastic mode"),
-    (("-np", "2", "-H", "192.0.2.1:2", "true"), "multi-host launch is not available yet"),
-    (("-np", "2", "-H", "localhost:1,192.0.2.1:1", "true"), "192.0.2.1 is not this machine"),
     (("-np", "4", "-H", "localhost:2", "true"), "too few slots: -np 4 but the hosts"),
     (("-np", "2", "-H", "localhost:x", "true"), "'localhost:x' is not <hostname>:<slots>"),
     (("-np", "2", "-H", "localhost:2,", "true"), "'' is not <hostname>:<slots>"),
@@ -151,6 +149,7 @@ def test_horovodrun_spellings_are_accepted() -> None:
     assert got.command == ("python", "x.py") and got.np == 2
     assert got.env["HORA_STALL_CHECK_DISABLE"] == "1"
     assert got.env["HORA_LOG_HIDE_TIME"] == "0"
+    assert (got.ssh_port, got.ssh_identity_file) == (22, "key")
 
 
 def test_slots_prefix_is_refused_as_elastic(capsys: pytest.CaptureFixture[str]) -> None:
