@@ -131,8 +131,9 @@ def build_route(comm: Comm, hostnames: Sequence[str], config: Config, job_id: st
         log.debug("process set of %d ranks on one host: shared memory", comm.size)
         return Route(comm, config, group=group, shm_free=free, scheme="shm")
     hierarchical = config.hierarchical_allreduce
-    if hierarchical is None:  # automatic: worth it only with several ranks per host
-        hierarchical = len(layout.local) > 1
+    if hierarchical is None:  # automatic: worth it when some host has several ranks. Decided
+        # from every member's host, never this rank's alone, so all members choose alike.
+        hierarchical = len(set(hostnames)) < len(hostnames)
     if not hierarchical:
         return Route(comm, config)
     local_comm: Comm = SubComm(comm, layout.local)

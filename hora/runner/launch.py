@@ -23,6 +23,7 @@ and slot assignment live in :mod:`hora.runner.hosts`, the choice of the store's 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import secrets
@@ -182,7 +183,8 @@ def _check_remote_hosts(remote: _Remote, address: str, config: Config,
                                                       for r in results))
 
 
-def _rank_launch(slot: Slot, env: dict[str, str], spec: LaunchSpec, remote: _Remote) -> RankLaunch:
+def _rank_launch(slot: Slot, env: dict[str, str], spec: LaunchSpec, remote: _Remote,
+                 gate: ssh.StartGate) -> RankLaunch:
     """A local rank runs ``spec.command`` with ``env``; a remote one runs ssh, and ``env`` (less
     what Horovod never forwards to other hosts) goes over ssh's stdin."""
     if slot.hostname not in remote.hosts:
@@ -191,11 +193,14 @@ def _rank_launch(slot: Slot, env: dict[str, str], spec: LaunchSpec, remote: _Rem
     request = ssh.rank_request(argv=spec.command, env=sent, cwd=os.getcwd(),
                                grace=remote.grace, rank=slot.rank, host=slot.hostname,
                                job_id=env["HORA_JOB_ID"])
-    # ssh itself runs with the launcher's own environment (agent socket, PATH); the job id lets
-    # the supervisor clean this host's /dev/shm whichever rank comes first.
+    # ssh itself runs with the launcher's own environment (agent socket, PATH), never the
+    # secret; HORA_JOB_ID is there because the supervisor reads the job id (for its /dev/shm
+    # cleanup) from the first rank's environment, which may be this one.
     ssh_env = {**os.environ, "HORA_JOB_ID": env["HORA_JOB_ID"]}
-    argv = ssh.rank_argv(slot.hostname, slot.rank, remote.python, remote.options)
-    return RankLaunch(slot, ssh_env, argv=argv, stdin=request)
+    argv = ssh.rank_argv(slot.hostname, slot.rank, remote.python, remote.options,
+                         connected_marker=gate.marker(slot.rank))
+    return RankLaunch(slot, ssh_env, argv=argv, stdin=request,
+                      before_start=functools.partial(gate.wait_turn, slot.hostname, slot.rank))
 
 
 def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None,
@@ -252,11 +257,12 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None,
             _describe(spec, slots, {**own, **rendezvous}, where, remote, console)
         if remote.hosts:
             _check_remote_hosts(remote, where.address, config, console, spec.verbose)
-        ranks = [_rank_launch(slot, {**base, **rendezvous, **identity_environment(slot),
-                                     SECRET_VAR: secret}, spec, remote)
-                 for slot in slots]
-        return run_local(spec.command, ranks, output_dir=spec.output_filename,
-                         prefix_timestamp=spec.prefix_timestamp, console=console)
+        with ssh.StartGate(timeout=remote.options.connect_timeout + 5.0) as gate:
+            ranks = [_rank_launch(slot, {**base, **rendezvous, **identity_environment(slot),
+                                         SECRET_VAR: secret}, spec, remote, gate)
+                     for slot in slots]
+            return run_local(spec.command, ranks, output_dir=spec.output_filename,
+                             prefix_timestamp=spec.prefix_timestamp, console=console)
     finally:
         server.close()
 

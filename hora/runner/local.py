@@ -120,13 +120,15 @@ class RankLaunch:
 
     ``argv`` replaces the job's command for this rank (e.g. the ``ssh`` that starts a remote
     rank); ``stdin``, when given, is written to the process's stdin, which then stays open
-    until the launcher stops the rank by closing it.
+    until the launcher stops the rank by closing it; ``before_start`` is called just before the
+    process starts (e.g. to pace ssh connections to one host).
     """
 
     slot: Slot
     env: Mapping[str, str]
     argv: Sequence[str] | None = None
     stdin: bytes | None = field(default=None, repr=False)
+    before_start: Callable[[], None] | None = None
 
 
 class _Relay(threading.Thread):
@@ -335,6 +337,8 @@ class _Supervisor:
                                   f"{exc.filename}: {exc.strerror or exc}")
                 return 1
             argv = self._command if launch.argv is None else list(launch.argv)
+            if launch.before_start is not None:
+                launch.before_start()
             try:
                 proc = subprocess.Popen(
                     argv, env=dict(launch.env),
