@@ -131,6 +131,9 @@ def launcher_variables(spec: LaunchSpec) -> dict[str, str]:
         env["HORA_START_TIMEOUT"] = cli_value_to_env(
             KNOBS_BY_NAME["start_timeout"], spec.start_timeout)
     env.update({"HORA_LAUNCHER": "hora run", "HORA_LAUNCHER_PID": str(os.getpid())})
+    if spec.verbose and not any(k in env or k in os.environ
+                                for k in ("HORA_LOG_LEVEL", "HOROVOD_LOG_LEVEL")):
+        env["HORA_LOG_LEVEL"] = "info"  # ranks then log choices such as each set's data path
     return env
 
 
