@@ -206,7 +206,7 @@ class Timeline:
         """Stop recording and close the file (Horovod's ``stop_timeline``); idempotent."""
         with self._lock:
             if self._path is None and self._session is None:
-                log.info("stop_timeline: the timeline is not running")
+                log.debug("stop_timeline: the timeline is not running")
             self._stop_locked()
             self._path = None
 
