@@ -215,6 +215,7 @@ class Coordinator:
         now = time.monotonic() if now is None else now
         warn_after, fail_after = cfg.stall_check_time_seconds, cfg.stall_shutdown_time_seconds
         missing_by_rank: dict[int, list[str]] = {}
+        hints: list[str] = []
         failed: list[Response] = []
         for key in list(self._order):
             set_id, name = key
@@ -227,16 +228,19 @@ class Coordinator:
                        and r not in self._joined.get(set_id, ())]
             if key in self._ready_set:
                 continue
+            elsewhere = self._other_sets(name, set_id, missing)
             if fail_after > 0 and age >= fail_after:
                 del self._table[key]
                 self._order.remove(key)
                 failed.append(_error(next(iter(entry.requests.values())),
                                      f"Stalled for {age:.0f} s: tensor '{name}' was submitted by "
                                      f"ranks {sorted(entry.requests)} but never by ranks {missing}"
-                                     f" (HORA_STALL_SHUTDOWN_TIME_SECONDS={fail_after:g}).",
-                                     ERROR_STALL))
+                                     f" (HORA_STALL_SHUTDOWN_TIME_SECONDS={fail_after:g})."
+                                     + elsewhere, ERROR_STALL))
                 continue
             entry.warned_at = now
+            if elsewhere:
+                hints.append(f"'{name}':{elsewhere}")
             for r in missing:
                 missing_by_rank.setdefault(r, []).append(name)
         if missing_by_rank:
@@ -247,8 +251,23 @@ class Coordinator:
                 "subset of ranks and are waiting for remainder of ranks for more than %g "
                 "seconds. This may indicate that different ranks are trying to submit different "
                 "tensors or that only subset of ranks is submitting tensors, which will cause "
-                "deadlock.\nMissing ranks:\n%s", warn_after, lines)
+                "deadlock.\nMissing ranks:\n%s%s", warn_after, lines,
+                "".join(f"\n{h}" for h in hints))
         return failed
+
+    def _other_sets(self, name: str, set_id: int, missing: list[int]) -> str:
+        """A hint when missing ranks submitted ``name`` to another process set (a mismatch of
+        the process-set field, which name-based matching can only see as a stall)."""
+        found = []
+        for (other, other_name), entry in self._table.items():
+            if other_name == name and other != set_id:
+                ranks = sorted(r for r in missing if r in entry.requests)
+                if ranks:
+                    found.append(f"ranks {ranks} submitted it to process set {other}")
+        if not found:
+            return ""
+        return (f" Mismatched process set: {'; '.join(found)}, the others to process set "
+                f"{set_id}. HINT: pass the same process_set= on every rank.")
 
     def pending_names(self) -> list[str]:
         return [name for _, name in self._order]

@@ -197,3 +197,18 @@ def test_readiness_is_tracked_incrementally_in_completion_order() -> None:
     coord.add([req(1, "second")])
     coord.add([req(1, "first")])
     assert [r.names for r in coord.ready()] == [["second", "first"]]
+
+
+def test_stall_names_a_process_set_mismatch(caplog: pytest.LogCaptureFixture) -> None:
+    coord, reg = make(3, stall_check_time_seconds=1.0, stall_shutdown_time_seconds=0.0)
+    sid = reg.register([1, 2])
+    coord.add([req(0, "allreduce.g"), req(1, "allreduce.g")])  # global set
+    coord.add([req(2, "allreduce.g", set_id=sid)])  # rank 2 used the other set
+    with caplog.at_level(logging.WARNING, logger="hora"):
+        coord.check_stalls(now=1e12)
+    assert f"Mismatched process set: ranks [2] submitted it to process set {sid}" in caplog.text
+    coord2, reg2 = make(3, stall_check_time_seconds=1.0, stall_shutdown_time_seconds=2.0)
+    sid2 = reg2.register([1, 2])
+    coord2.add([req(0, "x"), req(1, "x"), req(2, "x", set_id=sid2)])
+    (failed,) = [r for r in coord2.check_stalls(now=1e12) if r.names == ["x"] and r.set_id == 0]
+    assert "Mismatched process set" in failed.error and "never by ranks [2]" in failed.error
