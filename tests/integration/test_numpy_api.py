@@ -62,6 +62,21 @@ def test_stopped_rank_is_detected_by_heartbeat() -> None:
         assert "rank 2" in line and "heartbeat" in line
 
 
+def test_stalled_tensor_warns_then_fails_on_the_ranks_that_submitted_it() -> None:
+    job = run_job(3, "stall", timeout=60, env={"HORA_STALL_CHECK_TIME_SECONDS": "1",
+                                               "HORA_STALL_SHUTDOWN_TIME_SECONDS": "3"})
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert "Missing ranks:\n" in job.stderr.replace("[0]<stderr>:", "")
+    assert "[0]<stderr>:2: [allreduce.forgotten]" in job.stderr
+    errors = job.lines("ERR")
+    assert len(errors) == 2, job.stdout + job.stderr
+    for line in errors:
+        seconds = float(re.search(r"after ([\d.]+)s", line).group(1))  # type: ignore[union-attr]
+        assert 2 < seconds < 20, line
+        assert "never by ranks [2]" in line
+    assert len(job.lines("OK stall")) == 3
+
+
 def test_init_shutdown_init() -> None:
     job = run_job(2, "reinit")
     assert job.returncode == 0, job.stderr

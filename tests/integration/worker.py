@@ -116,6 +116,22 @@ def stopped_rank() -> None:
         os.kill(pids[-1], signal.SIGCONT)
 
 
+def stall() -> None:
+    """Rank 2 never submits 'forgotten': a warning names it, then the op fails everywhere."""
+    hora.init()
+    r = hora.rank()
+    t0 = time.monotonic()
+    if r != 2:
+        try:
+            hora.allreduce(np.ones(2), name="forgotten")
+        except hora.HorovodInternalError as exc:
+            print(f"ERR after {time.monotonic() - t0:.1f}s: {exc}", flush=True)
+    else:
+        time.sleep(4)  # busy elsewhere; joins the others at the barrier after their op failed
+    hora.barrier()
+    print(f"OK stall rank {r}")
+
+
 def reinit() -> None:
     for _ in range(3):
         hora.init()
