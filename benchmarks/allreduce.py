@@ -3,6 +3,7 @@
     python benchmarks/allreduce.py                      # 2 ranks, 4 KiB .. 256 MiB, hora vs gloo
     python benchmarks/allreduce.py --max-mib 64 --np 2
     python benchmarks/allreduce.py --algorithms         # star vs ring at 2, 3, 4 ranks
+    python benchmarks/allreduce.py --mpi                # also Open MPI (mpirun + mpi4py)
 
 Both libraries run in the same processes, interleaved per size (A B A B ...), because this
 machine's speed swings 2-6x within minutes: only ratios from one job mean anything. Reported:
@@ -26,10 +27,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _launch(np_: int, args: list[str], env: dict[str, str] | None = None) -> int:
-    cmd = [sys.executable, "-m", "hora.runner.cli", "run", "-np", str(np_), sys.executable,
-           __file__, *args]
-    return subprocess.call(cmd, env={**os.environ, **(env or {})})
+def _launch(np_: int, args: list[str], env: dict[str, str] | None = None,
+            mpi: bool = False) -> int:
+    launcher = [sys.executable, "-m", "hora.runner.cli", "run", "-np", str(np_)]
+    extra = dict(env or {})
+    if mpi:  # Open MPI's mpirun starts the ranks; hora reads its environment (no hora run)
+        launcher = ["mpirun", "--oversubscribe", "-np", str(np_)]
+        extra.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
+    return subprocess.call([*launcher, sys.executable, __file__, *args],
+                           env={**os.environ, **extra})
 
 
 def _sizes(max_mib: int) -> list[int]:
@@ -67,24 +73,35 @@ def worker_vs_gloo(max_mib: int, rounds: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=n)
     cfg = context.get().config
+    comm_mpi = None
+    if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:
+        from mpi4py import MPI  # launched by mpirun: measure Open MPI too
+
+        comm_mpi = MPI.COMM_WORLD
+    libs = ("hora", "gloo", "mpi") if comm_mpi is not None else ("hora", "gloo")
     rows = []
     for nbytes in _sizes(max_mib):
         count = nbytes // 4
         x_np = np.zeros(count, np.float32)  # zeros: repeated in-place sums never overflow
         x_t = torch.zeros(count, dtype=torch.float32)
         reps = _reps(nbytes)
-        times: dict[str, list[float]] = {"hora": [], "gloo": []}
-        hora.allreduce(x_np, op=hora.Sum, name="warm")  # warm-up both
+        times: dict[str, list[float]] = {lib: [] for lib in libs}
+        hora.allreduce(x_np, op=hora.Sum, name="warm")  # warm-up all
         dist.all_reduce(x_t)
+        x_mpi = np.zeros(count, np.float32)
+        if comm_mpi is not None:
+            comm_mpi.Allreduce(MPI.IN_PLACE, x_mpi)
         for _ in range(rounds):
-            for lib in ("hora", "gloo"):
+            for lib in libs:
                 dist.barrier()
                 for _ in range(max(1, reps // rounds)):
                     t0 = time.perf_counter()
                     if lib == "hora":
                         hora.allreduce_(x_np, op=hora.Sum, name="bench")
-                    else:
+                    elif lib == "gloo":
                         dist.all_reduce(x_t)
+                    else:
+                        comm_mpi.Allreduce(MPI.IN_PLACE, x_mpi)  # type: ignore[union-attr]
                     times[lib].append(time.perf_counter() - t0)
         # every rank's median; report the slowest rank (the op is done when the last rank is)
         med = {lib: max(hora.allgather_object(statistics.median(t), name=f"m{lib}{nbytes}"))
@@ -92,16 +109,19 @@ def worker_vs_gloo(max_mib: int, rounds: int) -> None:
         algo = context.get().engine.data_path(0) or "?"
         if algo == "ring":
             algo = select_allreduce(nbytes, n, cfg.allreduce_algorithm, cfg.small_allreduce_bytes)
-        rows.append((nbytes, algo, med["hora"], med["gloo"]))
+        rows.append((nbytes, algo, med["hora"], med["gloo"], med.get("mpi")))
     if rank == 0:
         print(f"\nallreduce float32, {n} ranks, 1 thread each; median per op; "
               "busbw = 2(n-1)/n * bytes / time")
+        mpi_head = f" | {'mpi us':>10} {'mpi GB/s':>9} | {'hora/mpi bw':>11}" if comm_mpi else ""
         print(f"{'size':>9} | {'hora algo':>9} {'hora us':>10} {'hora GB/s':>9} | "
-              f"{'gloo us':>10} {'gloo GB/s':>9} | {'hora/gloo bw':>12}")
-        for nbytes, algo, th, tg in rows:
+              f"{'gloo us':>10} {'gloo GB/s':>9} | {'hora/gloo bw':>12}{mpi_head}")
+        for nbytes, algo, th, tg, tm in rows:
+            mpi_cols = (f" | {tm * 1e6:10.1f} {_busbw(nbytes, n, tm):9.3f} | {tm / th:10.2f}x"
+                        if tm is not None else "")
             print(f"{_fmt_size(nbytes):>9} | {algo:>9} {th * 1e6:10.1f} "
                   f"{_busbw(nbytes, n, th):9.3f} | {tg * 1e6:10.1f} {_busbw(nbytes, n, tg):9.3f}"
-                  f" | {tg / th:11.2f}x")
+                  f" | {tg / th:11.2f}x{mpi_cols}")
     dist.destroy_process_group()
     hora.shutdown()
 
@@ -151,6 +171,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="ABAB rounds per size")
     parser.add_argument("--algorithms", action="store_true", help="star vs ring at 2, 3, 4 ranks")
     parser.add_argument("--algo-mib", type=int, nargs="+", default=[4, 32])
+    parser.add_argument("--mpi", action="store_true",
+                        help="launch with Open MPI's mpirun and also measure MPI_Allreduce "
+                             "(needs mpirun and mpi4py)")
     parser.add_argument("--tcp", action="store_true",
                         help="measure hora's TCP ring (HORA_SHM=0) instead of shared memory")
     parser.add_argument("--worker", choices=["gloo", "algos"], help=argparse.SUPPRESS)
@@ -168,7 +191,7 @@ def main() -> None:
     else:
         sys.exit(_launch(args.np, ["--worker", "gloo", "--max-mib", str(args.max_mib),
                                    "--rounds", str(args.rounds)],
-                         env={"HORA_SHM": "0"} if args.tcp else None))
+                         env={"HORA_SHM": "0"} if args.tcp else None, mpi=args.mpi))
 
 
 if __name__ == "__main__":
