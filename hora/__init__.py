@@ -28,7 +28,9 @@ from hora.collectives.ops import (
 )
 from hora.core import api as _api
 from hora.core import context as _context
-from hora.core.api import add_process_set, allgather_object, remove_process_set
+from hora.core.api import (
+    add_process_set, allgather_object, poll, remove_process_set, synchronize,
+)
 from hora.core.context import init, is_initialized, shutdown
 from hora.core.handle import Handle
 from hora.core.process_set import ProcessSet, global_process_set
@@ -145,23 +147,6 @@ def stop_timeline() -> None:
 # ---- handles -------------------------------------------------------------------------------
 def _handles() -> Any:
     return _context.get("handles").handles
-
-
-def poll(handle: int) -> bool:
-    """True if the async op behind ``handle`` has finished."""
-    return bool(_handles().get(handle).done())
-
-
-def synchronize(handle: int, timeout: float | None = None) -> Any:
-    """Wait for an async op and return its result (hora-only: optional ``timeout``).
-
-    Raises:
-        HorovodInternalError: the op failed (mismatch, lost peer, shutdown).
-    """
-    h = _handles().pop(handle)
-    if h is None:
-        return None
-    return h.wait(timeout)
 
 
 def _register(h: Handle) -> int:

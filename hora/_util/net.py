@@ -70,6 +70,19 @@ def interface_address(name: str) -> str:
     return socket.inet_ntoa(reply[20:24])
 
 
+def route_source(address: str) -> str:
+    """This machine's source address for packets to ``address``, by the kernel's routing table
+    (a UDP socket is connected; nothing is sent).
+
+    Raises:
+        OSError: no route to ``address``.
+    """
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((address, 9))
+        return str(probe.getsockname()[0])
+
+
 def is_loopback(host: str) -> bool:
     """True if ``host`` is a loopback IP literal or ``localhost``."""
     if host == "localhost":

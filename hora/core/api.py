@@ -387,6 +387,33 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return True
 
 
+# ---- integer handles (Horovod's async API; one table shared by every adapter) ---------------
+def poll(handle: int) -> bool:
+    """True if the async op behind ``handle`` has finished; ``synchronize`` will not block.
+
+    Raises:
+        ValueError: unknown handle ("Handle N was not created or has been cleared.").
+    """
+    return bool(context.get("poll").handles.get(handle).done())
+
+
+def synchronize(handle: int, timeout: float | None = None) -> Any:
+    """Wait for an async op and return its output (what the adapter registered it to give: an
+    array or tensor; ``(output, received_splits)`` for alltoall; a list for grouped ops). An
+    unknown handle returns None, as Horovod.
+
+    Args:
+        timeout: hora extension; seconds to wait (None: until done or failed).
+
+    Raises:
+        HorovodInternalError: the op failed (mismatch across ranks, lost peer, shutdown).
+    """
+    h = context.get("synchronize").handles.pop(handle)
+    if h is None:
+        return None
+    return h.wait(timeout)
+
+
 # ---- object collectives --------------------------------------------------------------------
 def broadcast_object(obj: Any, root_rank: int = 0, *, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any
 
 import hora.config as config_mod
 from hora._util import log as hlog
+from hora._util.net import interface_address, is_loopback, route_source
 from hora.config import Config
 from hora.core.engine import Engine
 from hora.core.handle import HandleTable
@@ -249,16 +249,10 @@ def _check_process_sets(store: Any, scope: str, rank: int, size: int, sets: list
 def _bind_host(store_host: str, config: Config) -> str:
     """The address this rank's transport listens on."""
     if config.gloo_iface:
-        from hora._util.net import interface_address
-
         return interface_address(config.gloo_iface)
-    if store_host in ("127.0.0.1", "localhost", "::1", ""):
+    if not store_host or is_loopback(store_host):
         return "127.0.0.1"
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:  # the source address of the route to the store is reachable by every rank
-        probe.connect((store_host, 9))
-        return str(probe.getsockname()[0])
+        return route_source(store_host)
     except OSError:
         return "0.0.0.0"
-    finally:
-        probe.close()

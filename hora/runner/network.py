@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hora._util.net import interface_address, interface_names, is_loopback, local_hostname
+from hora._util.net import route_source as _route_source
 from hora.errors import ConfigError
 
 LOOPBACK = "127.0.0.1"
@@ -71,14 +72,11 @@ def route_source(address: str) -> str:
     Raises:
         ConfigError: there is no route to ``address``.
     """
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((address, 9))
-        except OSError as exc:
-            raise ConfigError(f"no route from {local_hostname()} to {address}: "
-                              f"{exc.strerror or exc}") from None
-        return str(probe.getsockname()[0])
+    try:
+        return _route_source(address)
+    except OSError as exc:
+        raise ConfigError(f"no route from {local_hostname()} to {address}: "
+                          f"{exc.strerror or exc}") from None
 
 
 def store_address(remote_addresses: Sequence[str], iface: str) -> StoreAddress:

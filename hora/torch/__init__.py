@@ -32,11 +32,12 @@ from hora.torch.compression import Compression
 from hora.torch.functions import (
     allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters,
 )
+from hora.core.api import poll, synchronize
 from hora.torch.ops import (
     allgather_async, allreduce_, allreduce_async, allreduce_async_, alltoall_async, barrier,
     broadcast_, broadcast_async, broadcast_async_, grouped_allgather_async, grouped_allreduce_,
-    grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter_async, join, poll,
-    reducescatter_async, sparse_allreduce_async, synchronize,
+    grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter_async, join,
+    reducescatter_async, sparse_allreduce_async,
 )
 from hora.torch.optimizer import DistributedOptimizer
 from hora.torch.sync_batch_norm import SyncBatchNorm

@@ -26,6 +26,7 @@ import torch
 
 from hora.collectives.ops import BFLOAT16, ReduceOp
 from hora.core import api as _api
+from hora.core.api import synchronize
 from hora.core import context as _context
 from hora.core.handle import DerivedHandle, Handle
 from hora.core.process_set import ProcessSet, global_process_set
@@ -115,31 +116,6 @@ def register(core_handle: Handle, convert: Callable[[Any], Any]) -> int:
 
 
 # ---- handles -----------------------------------------------------------------------------------
-def poll(handle: int) -> bool:
-    """True if the async op behind ``handle`` has finished; ``synchronize`` will not block.
-
-    Raises:
-        ValueError: unknown handle ("Handle N was not created or has been cleared.").
-    """
-    return bool(_context.get("poll").handles.get(handle).done())
-
-
-def synchronize(handle: int, timeout: float | None = None) -> Any:
-    """Wait for an async op and return its output: a tensor; ``(output, received_splits)`` for
-    alltoall; a list of tensors for grouped ops. An unknown handle returns None (Horovod).
-
-    Args:
-        timeout: hora extension; seconds to wait (None: until done or failed).
-
-    Raises:
-        HorovodInternalError: the op failed (mismatch across ranks, lost peer, shutdown).
-    """
-    h = _context.get("synchronize").handles.pop(handle)
-    if h is None:
-        return None
-    return h.wait(timeout)
-
-
 # ---- allreduce ---------------------------------------------------------------------------------
 def _allreduce(tensor: torch.Tensor, inplace: bool, name: str | None, op: ReduceOp,
                prescale_factor: float, postscale_factor: float,

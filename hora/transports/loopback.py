@@ -21,16 +21,16 @@ Correctness and clear errors matter more than speed here; every wait has a deadl
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
 from hora._util.log import get_logger
+from hora._util.typing_compat import override
 from hora.collectives.comm import Buffer
 from hora.errors import HoraTimeoutError, PeerLostError, TransportError
 from hora.transports.base import MAX_CONTROL_MESSAGE, Transport
@@ -41,15 +41,6 @@ HOST = "loopback"
 """Host name every loopback rank reports."""
 
 T = TypeVar("T")
-
-if sys.version_info >= (3, 12):
-    from typing import override
-elif TYPE_CHECKING:  # mypy ships typing_extensions' stubs; no runtime dependency needed
-    from typing_extensions import override
-else:
-    def override(func: T) -> T:
-        return func
-
 
 def _byte_view(buf: Buffer, writable: bool) -> memoryview:
     """A flat unsigned-byte memoryview of a C-contiguous buffer (numpy arrays of any dtype)."""

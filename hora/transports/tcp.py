@@ -34,11 +34,11 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from hora._util import auth
 from hora._util.log import get_logger
+from hora._util.typing_compat import override
 from hora._util.net import recv_bytes, send_all
 from hora.collectives.comm import Buffer, Comm
 from hora.errors import (
@@ -54,13 +54,6 @@ from hora.transports.base import MAX_CONTROL_MESSAGE, Transport
 
 if TYPE_CHECKING:
     from hora.rendezvous.kvstore import KVStoreClient
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def override(func: _F) -> _F:  # typing.override arrives in Python 3.12
-    return func
-
 
 log = get_logger(__name__)
 
