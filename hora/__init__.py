@@ -170,7 +170,7 @@ def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
     """Element-wise reduction across ranks (default op: Average); returns a new array."""
     return _api.allreduce_async(
         tensor, name=name, op=_api.resolve_op(op, average), prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor, process_set=process_set).wait()
+        postscale_factor=postscale_factor, process_set=process_set, sync=True).wait()
 
 
 def allreduce_(tensor: Any, average: bool | None = None, name: str | None = None,
@@ -180,7 +180,8 @@ def allreduce_(tensor: Any, average: bool | None = None, name: str | None = None
     """In-place allreduce: the result is written into ``tensor``, which is returned."""
     return _api.allreduce_async(
         tensor, name=name, op=_api.resolve_op(op, average), prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor, process_set=process_set, inplace=True).wait()
+        postscale_factor=postscale_factor, process_set=process_set, inplace=True,
+        sync=True).wait()
 
 
 def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,

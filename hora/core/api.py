@@ -78,10 +78,11 @@ def _contiguous(tensor: Any, what: str) -> np.ndarray:
 
 
 def _submit(ctx: context.Context, request: Request, tensor: np.ndarray,
-            output: np.ndarray | None, finish: Callable[[Any], Any] | None = None) -> Handle:
+            output: np.ndarray | None, finish: Callable[[Any], Any] | None = None,
+            sync: bool = False) -> Handle:
     handle = Handle(request.name)
     ctx.engine.submit(Entry(request=request, tensor=tensor, output=output, handle=handle,
-                            finish=finish))
+                            finish=finish, sync=sync))
     return handle
 
 
@@ -101,13 +102,14 @@ def allreduce_async(tensor: Any, *, name: str | None = None, op: int = ReduceOp.
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set,
                     inplace: bool = False, output: np.ndarray | None = None,
-                    prefix: str = "allreduce", device: str = "cpu") -> Handle:
+                    prefix: str = "allreduce", device: str = "cpu", sync: bool = False) -> Handle:
     """Reduce ``tensor`` element-wise across the set: ``postscale * op(prescale * x_i)``.
 
     Average divides the Sum by the set size (integer dtypes truncate toward zero, as Horovod).
     Resolves to the result array (``tensor`` itself when ``inplace``; ``output`` when given).
     ``device`` is the kind of device the caller's tensor lives on (``"cpu"``, ``"cuda"``); ranks
-    that disagree get Horovod's "CPU/GPU device selection" mismatch error.
+    that disagree get Horovod's "CPU/GPU device selection" mismatch error. ``sync=True``
+    promises that the caller waits for the handle at once (sync wrappers; internal).
     """
     ctx = context.get("allreduce")
     op = ReduceOp(op)
@@ -128,7 +130,7 @@ def allreduce_async(tensor: Any, *, name: str | None = None, op: int = ReduceOp.
                   set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape),
                   op=int(op), prescale=float(prescale_factor), postscale=float(postscale_factor),
                   device=device)
-    return _submit(ctx, req, work, out, finish)
+    return _submit(ctx, req, work, out, finish, sync)
 
 
 def grouped_allreduce_async(tensors: Sequence[Any], *, name: str | None = None,

@@ -26,6 +26,7 @@ from hora._util.log import get_logger
 from hora.config import Config
 from hora.core.coordinator import Coordinator
 from hora.core.executor import Entry, Executor
+from hora.core.fastlane import FastLane
 from hora.core.messages import (
     MSG_ABORT,
     MSG_BYE,
@@ -40,6 +41,7 @@ from hora.core.messages import (
     encode,
 )
 from hora.core.process_set import Registry
+from hora.core.routing import Route
 from hora.errors import HoraError, HoraInternalError, PeerLostError, ShutdownError
 from hora.timeline.writer import QUEUE, Timeline
 from hora.transports.base import Transport
@@ -77,8 +79,12 @@ class Engine:
         self._names_lock = threading.Lock()
         self._pending: dict[str, Entry] = {}  # background thread only
         self.timeline = Timeline.from_config(config, self.rank)
+        self._hostnames, self._job_id = hostnames, job_id
         self._executor = Executor(transport.comm(), registry, config, self.timeline,
-                                  hostnames=hostnames, job_id=job_id)
+                                  hostnames=hostnames, job_id=job_id,
+                                  on_allreduce=self._on_allreduce)
+        self._lanes: dict[int, FastLane] = {}  # process set -> its fast lane (same host)
+        self._lane_error: BaseException | None = None
         self._coordinator = Coordinator(registry, config) if self.rank == 0 else None
         self._stop = threading.Event()
         self._error: HoraInternalError | None = None
@@ -110,8 +116,52 @@ class Engine:
                                  "in-flight op a distinct name=)")
             self._names.add(key)
         entry.handle.add_done_callback(lambda _h: self._release(key), early=True)
+        kind = entry.request.kind
+        if kind is OpKind.ALLREDUCE:
+            lane = self._lanes.get(entry.request.set_id)
+            if lane is not None and lane.submit(entry):
+                return  # the fast lane runs it: no negotiation
+        elif kind is OpKind.JOIN or kind is OpKind.REMOVE_PROCESS_SET:
+            # Ops already logged in the lane reach the coordinator before this one does.
+            lane = self._lanes.get(entry.request.set_id if kind is OpKind.JOIN
+                                   else entry.request.root)
+            if lane is not None:
+                lane.close_log()
+                lane.flush()
         self._queue.append(entry)
         self.transport.wake()
+
+    def _requeue(self, entry: Entry) -> None:
+        """The fast lane hands an op back: it is negotiated like any other."""
+        if self._stop.is_set() or self._error is not None:
+            entry.handle.set_error(self._error or ShutdownError(
+                "Horovod has been shut down before this op ran."))
+            return
+        self._queue.append(entry)
+        self.transport.wake()
+
+    def _lane_failed(self, error: BaseException) -> None:
+        """A fast lane collective failed (lane thread): the engine thread aborts the job."""
+        if self._lane_error is None:
+            self._lane_error = error
+        self.transport.wake()
+
+    def _on_allreduce(self, route: Route, resp: Response) -> None:
+        """Engine thread, before a negotiated allreduce runs: open the set's lane, learn it."""
+        lane = self._lanes.get(resp.set_id)
+        if lane is None and route.lane_group is not None:
+            executor = Executor(self.transport.comm(), self.registry, self.config,
+                                hostnames=self._hostnames, job_id=self._job_id)
+            lane = FastLane(resp.set_id, route, self.config, executor, self._requeue,
+                            self._lane_failed)
+            self._lanes[resp.set_id] = lane
+            lane.start()
+        if lane is not None:
+            lane.learn(resp)
+
+    def lane(self, set_id: int = 0) -> FastLane | None:
+        """The set's fast lane, if it has one (tests, benchmarks)."""
+        return self._lanes.get(set_id)
 
     def _release(self, key: tuple[int, str]) -> None:
         with self._names_lock:
@@ -140,6 +190,9 @@ class Engine:
         next_check = time.monotonic() + check_every
         try:
             while not self._stop.is_set():
+                if self._lane_error is not None:
+                    self._executing = True  # a collective failed: gather the others' reasons
+                    raise self._lane_error
                 self.timeline.mark_cycle()
                 self._heartbeat()
                 busy = self._take_submissions()
@@ -167,6 +220,7 @@ class Engine:
             log.exception("hora engine failed")
             self._abort(HoraInternalError(f"hora engine failed: {exc!r}"))
         finally:
+            self._stop_lanes(self._error)
             self._executor.close()  # unmap and unlink this rank's shared memory
             self._fail_all(self._error or ShutdownError(
                 "Horovod has been shut down. This was caused by an exception on one of the "
@@ -317,6 +371,10 @@ class Engine:
         for resp in responses:
             members = self.registry.ranks(resp.set_id)
             in_set = members is not None and self.rank in members
+            if resp.kind is OpKind.REMOVE_PROCESS_SET:
+                lane = self._lanes.pop(resp.value, None)
+                if lane is not None:
+                    lane.stop()
             if in_set or resp.kind in (OpKind.ADD_PROCESS_SET, OpKind.REMOVE_PROCESS_SET,
                                        OpKind.ERROR):
                 self._executor.execute(resp, self._pending)
@@ -379,6 +437,13 @@ class Engine:
                 if self._coordinator is None:
                     break  # rank 0 already merged what it knew
         return reasons
+
+    def _stop_lanes(self, error: BaseException | None) -> None:
+        for lane in list(self._lanes.values()):
+            if error is not None:
+                lane.abort(error)
+            lane.stop()
+        self._lanes.clear()
 
     def _fail_all(self, error: HoraInternalError) -> None:
         while self._queue:

@@ -50,6 +50,7 @@ class Entry:
     handle: Handle
     finish: Callable[[Any], Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    sync: bool = False  # the submitter waits for it at once (the fast lane lets it run the op)
 
 
 def reducescatter_rows(rows: int, size: int) -> list[int]:
@@ -63,7 +64,8 @@ class Executor:
 
     def __init__(self, comm: Comm, registry: Registry, config: Config,
                  timeline: Timeline | None = None, hostnames: list[str] | None = None,
-                 job_id: str = "") -> None:
+                 job_id: str = "",
+                 on_allreduce: Callable[[Route, Response], None] | None = None) -> None:
         self._tl = timeline if timeline is not None else Timeline()
         self._comm = comm
         self._registry = registry
@@ -74,6 +76,7 @@ class Executor:
         self._routes: dict[int, Route] = {}
         self._fusion = np.empty(0, dtype=np.uint8)
         self._scratch = np.empty(0, dtype=np.uint8)
+        self._on_allreduce = on_allreduce  # sees each allreduce response before it runs
 
     def comm_for(self, set_id: int) -> Comm:
         comm = self._subcomms.get(set_id)
@@ -96,6 +99,10 @@ class Executor:
             self._routes[set_id] = route
             log.info("process set %d (%d ranks) data path: %s", set_id, comm.size, route.name)
         return route
+
+    def adopt_route(self, set_id: int, route: Route) -> None:
+        """Use ``route`` for ``set_id`` (an executor of the fast lane, over its own group)."""
+        self._routes[set_id] = route
 
     def route_name(self, set_id: int) -> str | None:
         """The data path a set uses ('shm', 'ring', 'shard', 'leader'), once it has one."""
@@ -131,6 +138,8 @@ class Executor:
             return
         route = self.route_for(resp.set_id)
         if kind is OpKind.ALLREDUCE:
+            if self._on_allreduce is not None:
+                self._on_allreduce(route, resp)
             try:
                 self._allreduce(route, resp, entries)
             except BaseException as exc:

@@ -21,7 +21,7 @@ class Handle:
     :class:`~hora.errors.HoraInternalError` subclass that failed it.
     """
 
-    __slots__ = ("_callbacks", "_early", "_error", "_event", "_lock", "_result", "name")
+    __slots__ = ("_callbacks", "_early", "_error", "_event", "_lock", "_result", "driver", "name")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -31,6 +31,8 @@ class Handle:
         self._callbacks: list[Callable[[Handle], None]] = []
         self._early: list[Callable[[Handle], None]] = []
         self._lock = threading.Lock()
+        # Set while the op is in the fast lane: wait() lends the calling thread to run it.
+        self.driver: Callable[[Callable[[], bool], float | None], None] | None = None
 
     def done(self) -> bool:
         """True once the op has finished (successfully or not)."""
@@ -47,6 +49,9 @@ class Handle:
             HoraTimeoutError: ``timeout`` passed first (the op keeps running).
             HoraInternalError: the op failed (mismatch, lost peer, shutdown).
         """
+        driver = self.driver
+        if driver is not None and not self._event.is_set():
+            driver(self._event.is_set, timeout)
         if not self._event.wait(timeout):
             raise HoraTimeoutError(
                 f"op '{self.name}' did not finish within {timeout} s; it is still pending. "

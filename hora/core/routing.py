@@ -32,7 +32,7 @@ from hora.collectives.select import select_allreduce
 from hora.collectives.shm import ShmGroup
 from hora.config import Config
 from hora.errors import HoraError, TransportError
-from hora.transports.shm import available_bytes, capacity_for
+from hora.transports.shm import SPIN_ALLOWED, available_bytes, capacity_for
 from hora.transports.shm_fabric import ShmFabric
 
 log = get_logger(__name__)
@@ -47,9 +47,10 @@ class Route:
 
     def __init__(self, comm: Comm, config: Config, *, group: ShmGroup | None = None,
                  shm_free: int = 0, scheme: str = "ring", local: ShmGroup | Comm | None = None,
-                 cross: Comm | None = None) -> None:
+                 cross: Comm | None = None, lane_group: ShmGroup | None = None) -> None:
         self.comm = comm
         self.group = group  # the whole set on one host, over shared memory
+        self.lane_group = lane_group  # a second group for the fast lane (hora.core.fastlane)
         self.scheme = scheme  # "ring", "shm", "shard", "leader"
         self._local = local
         self._cross = cross
@@ -63,6 +64,17 @@ class Route:
     def _shm_fits(self, nbytes: int) -> bool:
         size = self.group.size if self.group is not None else 1
         return SHM_HEADROOM * 2 * capacity_for(nbytes) * size <= self._shm_free
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether an op of ``nbytes`` runs in shared memory (the same answer on every member)."""
+        return self.group is not None and self._shm_fits(nbytes)
+
+    def lane_route(self) -> Route | None:
+        """The fast lane's route: the same decisions over :attr:`lane_group`, or None."""
+        if self.lane_group is None:
+            return None
+        return Route(self.comm, self._config, group=self.lane_group, shm_free=self._shm_free,
+                     scheme="shm")
 
     def staging(self, nbytes: int) -> np.ndarray | None:
         """A shared-memory buffer to pack the next fused allreduce into, or None."""
@@ -114,7 +126,7 @@ class Route:
             reducescatter(self.comm, buf, counts, op, out, scratch=scratch)
 
     def close(self) -> None:
-        for group in (self.group, self._local):
+        for group in (self.group, self._local, self.lane_group):
             if isinstance(group, ShmGroup):
                 group.close()
 
@@ -129,7 +141,8 @@ def build_route(comm: Comm, hostnames: Sequence[str], config: Config, job_id: st
         if group is None:
             return Route(comm, config)
         log.debug("process set of %d ranks on one host: shared memory", comm.size)
-        return Route(comm, config, group=group, shm_free=free, scheme="shm")
+        return Route(comm, config, group=group, shm_free=free, scheme="shm",
+                     lane_group=_lane_group(comm, config, job_id))
     hierarchical = config.hierarchical_allreduce
     if hierarchical is None:  # automatic: worth it when some host has several ranks. Decided
         # from every member's host, never this rank's alone, so all members choose alike.
@@ -158,6 +171,22 @@ def _shm_group(comm: Comm, config: Config, job_id: str) -> tuple[ShmGroup | None
         log.warning("shared memory unavailable, ranks on this host use TCP: %s", exc)
         return None, 0
     return ShmGroup(fabric), free
+
+
+def _lane_group(comm: Comm, config: Config, job_id: str) -> ShmGroup | None:
+    """The fast lane's own shared-memory group (collective; every member gets one or None).
+
+    None when the response cache is off (``HOROVOD_CACHE_CAPACITY=0``), a timeline is
+    configured (every op is then negotiated, so the timeline shows each phase), or the CPU does
+    not keep stores in order (the lane's logs are read without locks).
+    """
+    if config.cache_capacity <= 0 or config.timeline or not SPIN_ALLOWED:
+        return None
+    try:
+        return ShmGroup(ShmFabric.create(comm, job_id, timeout=config.timeout_seconds))
+    except TransportError as exc:  # every member raises together
+        log.warning("no fast lane (every op is negotiated): %s", exc)
+        return None
 
 
 def _agree_min(comm: Comm, value: int) -> int:

@@ -119,12 +119,12 @@ def register(core_handle: Handle, convert: Callable[[Any], Any]) -> int:
 # ---- allreduce ---------------------------------------------------------------------------------
 def _allreduce(tensor: torch.Tensor, inplace: bool, name: str | None, op: ReduceOp,
                prescale_factor: float, postscale_factor: float,
-               process_set: ProcessSet) -> int:
+               process_set: ProcessSet, sync: bool = False) -> int:
     check_tensor(tensor, REDUCE_DTYPES)
     host = host_array(tensor)
     h = _api.allreduce_async(host, name=name, op=op, prescale_factor=prescale_factor,
                              postscale_factor=postscale_factor, process_set=process_set,
-                             inplace=inplace, device=device_kind(tensor))
+                             inplace=inplace, device=device_kind(tensor), sync=sync)
     if inplace:
         return register(h, _inplace_result(tensor, host))
     return register(h, lambda out: to_tensor(out, tensor.device))
@@ -156,7 +156,7 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place allreduce (not differentiable); returns ``tensor``."""
     return synchronize(_allreduce(tensor, True, name, _api.resolve_op(op, average),
-                                  prescale_factor, postscale_factor, process_set))
+                                  prescale_factor, postscale_factor, process_set, sync=True))
 
 
 def _grouped_allreduce(tensors: Sequence[torch.Tensor], inplace: bool, name: str | None,

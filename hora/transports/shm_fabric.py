@@ -8,6 +8,9 @@ checks (over a few bytes of the group's :class:`~hora.collectives.comm.Comm`) th
 succeeded: ranks that do not share ``/dev/shm`` (other hosts) all fail with a
 :class:`~hora.errors.TransportError`. After that the comm is not used.
 
+Board: the rest of each header (:meth:`ShmFabric.board`) is plain shared words, zero at first,
+readable and writable by every rank of the group, for protocols built on top.
+
 Signals: each rank's header holds one 32-bit counter that only it increments. A rank *posts* by
 incrementing it and waking futex waiters (~1.6 us); a peer *waits* for the counter to reach a
 value by checking it a few hundred times (microseconds), then sleeping in ``FUTEX_WAIT`` on it (a
@@ -48,7 +51,14 @@ from hora.transports.shm import (
 
 log = get_logger(__name__)
 
-HEADER_BYTES = 4096
+HEADER_BYTES = 16384
+"""Header segment size: the signal words, then :data:`BOARD_WORDS` words of board."""
+
+BOARD_WORD = 64
+"""First uint32 word of the header's *board*: words a layer above may use freely (the fast
+lane's logs, see :mod:`hora.core.fastlane`); zero when the group is created."""
+
+BOARD_WORDS = HEADER_BYTES // 4 - BOARD_WORD
 
 SPIN_CHECKS = 300
 """Counter checks before a wait blocks in the kernel when every rank of the group can have a
@@ -214,6 +224,29 @@ class ShmFabric:
             seg.remap(cap)
         return seg.array
 
+    @property
+    def spin_checks(self) -> int:
+        """How many times a wait checks its word before it sleeps (0: always sleep)."""
+        return self._spin
+
+    # -- board --
+    def board(self, peer: int) -> memoryview:
+        """Rank ``peer``'s board (this rank's own when ``peer == rank``): uint32 words."""
+        header = self._header if peer == self.rank else self._peer_headers[peer]
+        return header[BOARD_WORD:]
+
+    def board_address(self, peer: int, word: int) -> int:
+        """Address of word ``word`` of ``peer``'s board (for :func:`futex_wait` / wake)."""
+        seg = self._own[0] if peer == self.rank else self._peers[peer][0]
+        return seg.address + 4 * (BOARD_WORD + word)
+
+    def check_peer(self, peer: int) -> None:
+        """Raise :class:`~hora.errors.PeerLostError` if ``peer`` closed its group or died."""
+        if self._peer_headers[peer][_W_STATE] != _READY:
+            raise self._lost(peer, "closed its shared memory group")
+        if not self._alive(peer):
+            raise self._lost(peer, "died")
+
     # -- signals --
     @property
     def posted(self) -> int:
@@ -348,5 +381,5 @@ def _agree(comm: Comm, error: BaseException | None, doing: str) -> None:
     raise TransportError(f"{names} could not {doing}; see that rank's error")
 
 
-__all__ = ["HEADER_BYTES", "SPIN_CHECKS", "SPIN_CHECKS_OVERSUBSCRIBED", "WAIT_SLICE_S",
-           "ShmFabric"]
+__all__ = ["BOARD_WORD", "BOARD_WORDS", "HEADER_BYTES", "SPIN_CHECKS", "SPIN_CHECKS_OVERSUBSCRIBED",
+           "WAIT_SLICE_S", "ShmFabric"]

@@ -1,0 +1,522 @@
+"""The fast lane: allreduce without a coordinator round trip, for a process set on one host.
+
+Horovod's *response cache*, redone for shared memory. Once an allreduce named ``n`` has been
+negotiated (by rank 0's :class:`~hora.core.coordinator.Coordinator`), every member remembers
+its response (dtype, shape, op, scale factors) in a numbered *slot*, assigned while that
+response runs, so every member numbers slots alike. A later allreduce of ``n`` with the same
+properties is a *hit*: it needs no negotiation, only agreement on *when* to run it.
+
+**Logs.** Each member owns an append-only log in its shared-memory board
+(:meth:`~hora.transports.shm_fabric.ShmFabric.board`). Every allreduce submitted on the set
+appends exactly one entry: its slot on a hit, ``MISS`` otherwise (the op then takes the
+negotiated path, as before). So position ``p`` of every member's log is that member's ``p``-th
+allreduce on the set.
+
+**Decisions.** Group rank 0 (the *leader*) reads position ``p`` of every log and publishes one
+decision in its board:
+
+* ``FAST k``: positions ``p .. p+k-1`` hold the same slot on every member, with one dtype, op
+  and scales and at most ``HOROVOD_FUSION_THRESHOLD`` bytes in all: every member runs them as
+  one fused shared-memory allreduce (packed straight into the segment);
+* ``DIVERGED``: the members disagree at ``p`` (different order, a miss, a changed shape): each
+  member hands its own op at ``p`` (if it was a hit) to the negotiated path, where the
+  coordinator pairs ops by name, or reports the mismatch naming the ranks;
+* ``OFF``: a member closed its log at ``p`` (``join``, its log full, a stall): every member hands
+  every op at ``p`` or later to the negotiated path and stops appending.
+
+Every member applies the same decisions in the same order, so an op runs through the lane on
+all members or on none, and lane ops run in one order everywhere. The lane has its own
+shared-memory group and runs on its own thread (or on a thread waiting for one of its ops, which
+saves two thread hand-offs), so it never waits for the engine thread, nor the engine for it: a
+member blocked in a negotiated op cannot deadlock a lane op, whose every member has submitted
+it.
+
+**Waiting.** Each board has a *doorbell* word: appending rings the leader's, deciding rings
+every member's. A lane thread with nothing to do sleeps on its doorbell (``FUTEX_WAIT``, in slices
+so that a wakeup lost between two ringers costs at most a slice).
+
+**Failure.** A position undecided for ``HOROVOD_STALL_CHECK_TIME_SECONDS`` is decided ``OFF`` by
+the leader, so the stalled ops reach the coordinator, whose stall inspector names the missing
+ranks. A lost peer inside a lane collective raises in the lane thread; the engine then aborts as
+for any failed collective.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hora._util.log import get_logger
+from hora.collectives.ops import to_dtype
+from hora.config import Config
+from hora.core.executor import Entry, Executor
+from hora.core.messages import OpKind, Response
+from hora.core.routing import Route
+from hora.errors import HoraError, HoraInternalError, ShutdownError
+from hora.transports.shm import futex_wait, futex_wake
+from hora.transports.shm_fabric import BOARD_WORDS, ShmFabric
+
+log = get_logger(__name__)
+
+LOG_CAPACITY = 2048
+"""Log entries per member: appends this far ahead of the slowest member close the log."""
+
+DECISION_CAPACITY = 1024
+"""Published decisions not yet read by every member, at most."""
+
+IDLE_SLICE_S = 0.05
+"""Doorbell wait slice with nothing pending."""
+
+BUSY_SLICE_S = 0.005
+"""Doorbell wait slice while ops are pending (bounds the cost of a lost wakeup)."""
+
+# Board words (uint32), see hora.transports.shm_fabric.ShmFabric.board.
+(_COUNT, _OFF_AT, _CONSUMED, _DOORBELL, _DECISIONS, _DECISIONS_READ, _LANE_BELL,
+ _DRIVING) = range(8)
+_LOG = 16
+_DEC = _LOG + LOG_CAPACITY
+assert _DEC + DECISION_CAPACITY <= BOARD_WORDS
+
+MISS = 0xFFFFFFFF
+FAST, DIVERGED, OFF = 0, 1, 2
+_SHIFT = 28
+_LENGTH = (1 << _SHIFT) - 1
+_MASK, _HALF = 0xFFFFFFFF, 0x80000000
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One cached allreduce response."""
+
+    index: int
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    op: int
+    prescale: float
+    postscale: float
+    nbytes: int
+
+    def fuses_with(self, other: Slot) -> bool:
+        return (self.dtype, self.op, self.prescale, self.postscale) == (
+            other.dtype, other.op, other.prescale, other.postscale)
+
+
+def _written(count: int, position: int) -> bool:
+    """Whether a log whose count word is ``count`` holds ``position`` (32-bit wrap-around)."""
+    return 0 < ((count - position) & _MASK) < _HALF
+
+
+def _closed_at(off_word: int, position: int) -> bool:
+    """Whether a log whose off word is ``off_word`` was closed at or before ``position``."""
+    return off_word != 0 and ((position - (off_word - 1)) & _MASK) < _HALF
+
+
+class FastLane:
+    """The fast lane of one process set on this rank. See the module docstring.
+
+    Args:
+        set_id: the process set.
+        route: the set's route (its ``lane_group`` carries the lane).
+        config: fusion threshold, cache capacity, stall time.
+        requeue: hands an op to the negotiated path (the engine's queue); called in log order.
+        failed: called once, from the lane's thread, when a lane collective fails.
+    """
+
+    def __init__(self, set_id: int, route: Route, config: Config, executor: Executor,
+                 requeue: Callable[[Entry], None],
+                 failed: Callable[[BaseException], None]) -> None:
+        lane_route = route.lane_route()
+        if lane_route is None or route.lane_group is None:
+            raise ValueError("the route has no lane group")
+        fabric = route.lane_group.fabric
+        if not isinstance(fabric, ShmFabric):
+            raise TypeError("the fast lane needs a ShmFabric")
+        self.set_id = set_id
+        self._route = lane_route
+        self._fabric = fabric
+        self._config = config
+        self._executor = executor
+        executor.adopt_route(set_id, lane_route)
+        self._requeue = requeue
+        self._failed = failed
+        self.size = fabric.size
+        self.rank = fabric.rank
+        self._leader = self.rank == 0
+        self._boards = [fabric.board(r) for r in range(self.size)]
+        self._own = self._boards[self.rank]
+        self._own_bell = fabric.board_address(self.rank, _DOORBELL)
+        self._own_lane_bell = fabric.board_address(self.rank, _LANE_BELL)
+        self._bells = [fabric.board_address(r, _DOORBELL) for r in range(self.size)]
+        self._lane_bells = [fabric.board_address(r, _LANE_BELL) for r in range(self.size)]
+        self._spin = fabric.spin_checks
+        self._limit = max(0, config.fusion_threshold)
+        self._capacity = config.cache_capacity
+        self._stall_s = (0.0 if config.stall_check_disable
+                         else max(0.0, config.stall_check_time_seconds))
+        # cache (written on the engine thread, read by submitters and the lane thread)
+        self._slots: list[Slot] = []
+        self._by_name: dict[str, Slot] = {}
+        # this rank's log (guarded by _append_lock)
+        self._append_lock = threading.Lock()
+        self._count = 0
+        self._entries: dict[int, Entry] = {}
+        self._closed = False  # this rank appends no more (join, full, stop)
+        self._off = False  # an OFF decision was applied: everything is negotiated
+        self._error: BaseException | None = None
+        # driving (one driver at a time: the lane thread or a waiting user thread)
+        self._drive_lock = threading.Lock()
+        self._consumed = 0
+        self._read = 0
+        self._decided = 0  # leader: next undecided position
+        self._published = 0  # leader: decisions published
+        self._undecided_since: float | None = None
+        self._published_off = False
+        self.thread_ops = 0
+        self.fast_ops = 0  # ops this rank ran through the lane (tests, benchmarks)
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=f"hora-lane-{set_id}",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # ---- cache (engine thread) ---------------------------------------------------------------
+    def learn(self, resp: Response) -> None:
+        """Remember a negotiated allreduce's tensors (before it runs, on every member alike)."""
+        if resp.kind is not OpKind.ALLREDUCE or resp.joined:
+            return
+        itemsize = to_dtype(resp.dtype).itemsize
+        for name, shape in zip(resp.names, resp.shapes):
+            nbytes = math.prod(shape) * itemsize
+            if not self._route.fits(nbytes):
+                continue
+            old = self._by_name.get(name)
+            if old is None and len(self._slots) >= self._capacity:
+                continue  # full: like Horovod's cache at capacity, new names are negotiated
+            index = len(self._slots) if old is None else old.index
+            slot = Slot(index, name, resp.dtype, tuple(shape), resp.op, resp.prescale,
+                        resp.postscale, nbytes)
+            if old is None:
+                self._slots.append(slot)
+            else:
+                self._slots[index] = slot
+            self._by_name[name] = slot
+
+    # ---- submission (user threads) -----------------------------------------------------------
+    def submit(self, entry: Entry) -> bool:
+        """Log an allreduce; True if the lane runs it, False if it must be negotiated."""
+        req = entry.request
+        with self._append_lock:
+            if self._closed or self._off:
+                return False
+            slot = self._by_name.get(req.name)
+            hit = (slot is not None and slot.dtype == req.dtype and slot.op == req.op
+                   and slot.shape == tuple(req.shape) and slot.prescale == req.prescale
+                   and slot.postscale == req.postscale and entry.output is not None)
+            count = self._count
+            if self._backlog(count) >= LOG_CAPACITY:
+                self._close_locked()
+                log.debug("fast lane of set %d: log full, negotiating from now on", self.set_id)
+                return False
+            own = self._own
+            own[_LOG + count % LOG_CAPACITY] = slot.index if hit and slot is not None else MISS
+            if hit:
+                self._entries[count] = entry
+                entry.handle.driver = self._drive
+                if entry.sync:  # the caller waits at once and runs the op: ring it, not the
+                    own[_DRIVING] = 1  # lane thread (two thread hand-offs saved)
+            self._count = count + 1
+            own[_COUNT] = self._count & _MASK
+        if not self._leader:
+            self._ring(0)
+        elif hit and not entry.sync:
+            self._ring_lane()  # nobody waits yet: the lane thread decides and runs it
+        return hit
+
+    def _backlog(self, count: int) -> int:
+        return max((count - b[_CONSUMED]) & _MASK for b in self._boards)
+
+    def close_log(self) -> None:
+        """Append no more (ops are negotiated from now); the leader turns the lane off here."""
+        with self._append_lock:
+            if not self._closed:
+                self._close_locked()
+        self._ring(0)
+
+    def _close_locked(self) -> None:
+        self._closed = True
+        self._own[_OFF_AT] = (self._count + 1) & _MASK  # 0 means open
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every op this rank logged has run or been handed to the negotiated path."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while self._consumed < self._count and self._error is None and not self._stop:
+            if end is not None and time.monotonic() > end:
+                raise HoraInternalError(
+                    f"fast lane of process set {self.set_id}: ops still pending after "
+                    f"{timeout} s (another rank has not submitted them)")
+            if self._drive_lock.acquire(timeout=BUSY_SLICE_S):
+                try:
+                    self._step()
+                finally:
+                    self._drive_lock.release()
+                self._sleep(BUSY_SLICE_S)
+        if self._error is not None:
+            raise type(self._error)(str(self._error))
+
+    # ---- driving -----------------------------------------------------------------------------
+    def _drive(self, until: Callable[[], bool], timeout: float | None) -> None:
+        """Run the lane on the calling thread (a waiter) until ``until()`` or ``timeout``."""
+        end = None if timeout is None else time.monotonic() + timeout
+        if not self._drive_lock.acquire(timeout=-1 if timeout is None else timeout):
+            return
+        own = self._own
+        own[_DRIVING] = 1  # rings now wake this thread, not the lane thread
+        seen = own[_DOORBELL]
+        try:
+            while not until() and not self._stop and self._error is None:
+                seen = own[_DOORBELL]
+                if self._step():
+                    continue
+                if end is not None and time.monotonic() >= end:
+                    return
+                for _ in range(self._spin):  # a peer a step behind rings within microseconds
+                    if own[_DOORBELL] != seen:
+                        break
+                else:
+                    futex_wait(self._own_bell, seen, BUSY_SLICE_S)
+        except BaseException as exc:  # noqa: BLE001 - the lane fails; waiters see the error
+            self._fail(exc)
+        finally:
+            own[_DRIVING] = 0
+            self._drive_lock.release()
+            if own[_DOORBELL] != seen and self._consumed < self._count:
+                self._ring_lane()  # a ring came after our last look: pass it on
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                seen = self._own[_LANE_BELL]
+                busy = False
+                if self._drive_lock.acquire(blocking=False):
+                    try:
+                        n = self.fast_ops
+                        busy = self._step()
+                        self.thread_ops += self.fast_ops - n
+                    finally:
+                        self._drive_lock.release()
+                if not busy and not self._stop:
+                    futex_wait(self._own_lane_bell, seen,
+                               BUSY_SLICE_S if self._pending() else IDLE_SLICE_S)
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    def _pending(self) -> bool:
+        """Whether this rank has work in the lane: its own ops, decisions, peers' ops."""
+        return (self._consumed < self._count
+                or ((self._boards[0][_DECISIONS] - self._read) & _MASK) != 0
+                or (self._leader and any(_written(b[_COUNT], self._decided)
+                                         for b in self._boards)))
+
+    def _sleep(self, seconds: float) -> None:
+        futex_wait(self._own_lane_bell, self._own[_LANE_BELL], seconds)
+
+    def _step(self) -> bool:
+        """Decide (leader) and apply decisions; True if anything happened."""
+        if self._error is not None:
+            return False
+        busy = self._decide() if self._leader else False
+        return self._apply() or busy
+
+    # ---- leader ------------------------------------------------------------------------------
+    def _decide(self) -> bool:
+        boards = self._boards
+        made = 0
+        while not self._published_off and max(
+                (self._published - b[_DECISIONS_READ]) & _MASK for b in boards
+        ) < DECISION_CAPACITY:
+            p = self._decided
+            if any(_closed_at(b[_OFF_AT], p) for b in boards):
+                self._publish(OFF, 0)
+                made += 1
+                break
+            if not all(_written(b[_COUNT], p) for b in boards):
+                if self._stalled(p):
+                    self._publish(OFF, 0)
+                    made += 1
+                break
+            self._undecided_since = None
+            first = boards[0][_LOG + p % LOG_CAPACITY]
+            agreed = first != MISS and first < len(self._slots) and all(
+                b[_LOG + p % LOG_CAPACITY] == first for b in boards)
+            if not agreed:
+                self._publish(DIVERGED, 1)
+                self._decided = p + 1
+                made += 1
+                continue
+            slot = self._slots[first]
+            total, q = slot.nbytes, p + 1
+            while q - p < _LENGTH:
+                if not all(_written(b[_COUNT], q) for b in boards):
+                    break
+                nxt = boards[0][_LOG + q % LOG_CAPACITY]
+                if nxt == MISS or nxt >= len(self._slots) or not all(
+                        b[_LOG + q % LOG_CAPACITY] == nxt for b in boards):
+                    break
+                other = self._slots[nxt]
+                if not slot.fuses_with(other) or total + other.nbytes > self._limit \
+                        or not self._route.fits(total + other.nbytes):
+                    break
+                if any(_closed_at(b[_OFF_AT], q) for b in boards):
+                    break
+                total += other.nbytes
+                q += 1
+            self._publish(FAST, q - p)
+            self._decided = q
+            made += 1
+        if made:
+            for peer in range(1, self.size):
+                self._ring(peer)
+        return made > 0
+
+    def _publish(self, kind: int, length: int) -> None:
+        own = self._own
+        own[_DEC + self._published % DECISION_CAPACITY] = (kind << _SHIFT) | length
+        self._published += 1
+        own[_DECISIONS] = self._published & _MASK
+        if kind == OFF:
+            self._published_off = True
+
+    def _stalled(self, p: int) -> bool:
+        """Leader: position ``p`` waits for some member; True once that took the stall time."""
+        if not any(_written(b[_COUNT], p) for b in self._boards):
+            self._undecided_since = None
+            return False
+        now = time.monotonic()
+        if self._undecided_since is None:
+            self._undecided_since = now
+            return False
+        if self._stall_s <= 0 or now - self._undecided_since < self._stall_s:
+            return False
+        missing = [r for r, b in enumerate(self._boards) if not _written(b[_COUNT], p)]
+        log.warning("fast lane of process set %d: ranks %s have not submitted their allreduce "
+                    "number %d for %.0f s; handing pending ops to the coordinator (its stall "
+                    "inspector names the tensors)", self.set_id, missing, p, now -
+                    self._undecided_since)
+        return True
+
+    # ---- every member ------------------------------------------------------------------------
+    def _apply(self) -> bool:
+        leader = self._boards[0]
+        own = self._own
+        done = False
+        while not self._off and ((leader[_DECISIONS] - self._read) & _MASK) != 0:
+            word = leader[_DEC + self._read % DECISION_CAPACITY]
+            kind, length = word >> _SHIFT, word & _LENGTH
+            if kind == FAST:
+                self._run_batch(self._consumed, length)
+                self._consumed += length
+            elif kind == DIVERGED:
+                entry = self._entries.pop(self._consumed, None)
+                if entry is not None:
+                    entry.handle.driver = None
+                    self._requeue(entry)
+                self._consumed += 1
+            else:
+                self._go_off()
+            self._read += 1
+            own[_DECISIONS_READ] = self._read & _MASK
+            own[_CONSUMED] = self._consumed & _MASK
+            done = True
+        return done
+
+    def _run_batch(self, start: int, length: int) -> None:
+        entries: list[Entry] = []
+        for position in range(start, start + length):
+            entry = self._entries.pop(position, None)
+            if entry is None:
+                raise HoraInternalError(f"fast lane of process set {self.set_id} is out of step "
+                                        f"at position {position} (a bug)")
+            entries.append(entry)
+        slots = [self._by_name[e.request.name] for e in entries]
+        first = slots[0]
+        resp = Response(kind=OpKind.ALLREDUCE, names=[s.name for s in slots], set_id=self.set_id,
+                        dtype=first.dtype, op=first.op, prescale=first.prescale,
+                        postscale=first.postscale, shapes=[list(s.shape) for s in slots])
+        self._executor.execute(resp, {e.request.name: e for e in entries})
+        self.fast_ops += length
+
+    def _go_off(self) -> None:
+        with self._append_lock:
+            self._off = True
+            self._closed = True
+            leftovers = sorted(self._entries.items())
+            self._entries.clear()
+            self._consumed = self._count
+        for _, entry in leftovers:
+            entry.handle.driver = None
+            self._requeue(entry)
+        log.debug("fast lane of process set %d is off: every op is negotiated", self.set_id)
+
+    def _ring(self, peer: int) -> None:
+        """Wake ``peer``'s driver: the thread waiting for a lane op, else its lane thread if it
+        has ops of its own in the lane (else there is nothing it could do yet)."""
+        board = self._boards[peer]
+        if board[_DRIVING]:
+            board[_DOORBELL] = (board[_DOORBELL] + 1) & _MASK
+            futex_wake(self._bells[peer])
+        elif board[_COUNT] != board[_CONSUMED]:
+            board[_LANE_BELL] = (board[_LANE_BELL] + 1) & _MASK
+            futex_wake(self._lane_bells[peer])
+
+    def _ring_lane(self) -> None:
+        own = self._own
+        own[_LANE_BELL] = (own[_LANE_BELL] + 1) & _MASK
+        futex_wake(self._own_lane_bell)
+
+    # ---- shutdown and failure ----------------------------------------------------------------
+    def _fail(self, exc: BaseException) -> None:
+        if self._stop:
+            return  # stopping: the engine fails what is left
+        error = exc if isinstance(exc, HoraError) else HoraInternalError(
+            f"fast lane failed: {exc!r}")
+        self.abort(error)
+        self._failed(error)
+
+    def abort(self, error: BaseException) -> None:
+        """Fail every op still in the lane with ``error``; log nothing more."""
+        with self._append_lock:
+            if self._error is None:
+                self._error = error
+            self._closed = self._off = True
+            entries = list(self._entries.values())
+            self._entries.clear()
+        for entry in entries:
+            entry.handle.set_error(type(error)(str(error)) if isinstance(error, HoraError)
+                                   else error)
+        futex_wake(self._own_bell)
+        self._ring_lane()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the lane thread; ops still in the lane fail with ShutdownError."""
+        failed = self._error is not None
+        if not failed:
+            self.close_log()  # the leader hands peers' pending ops to the coordinator
+            self.abort(ShutdownError("Horovod has been shut down before this op ran."))
+        self._stop = True
+        self._ring_lane()
+        if failed:  # peers blocked in a lane collective with us raise now, not at a timeout
+            self._fabric.close()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        for view in self._boards:
+            view.release()
+
+    def describe(self) -> dict[str, Any]:
+        return {"set": self.set_id, "slots": len(self._slots), "logged": self._count,
+                "fast_ops": self.fast_ops, "thread_ops": self.thread_ops, "off": self._off}
