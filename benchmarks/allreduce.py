@@ -4,6 +4,7 @@
     python benchmarks/allreduce.py --max-mib 64 --np 2
     python benchmarks/allreduce.py --algorithms         # star vs ring at 2, 3, 4 ranks
     python benchmarks/allreduce.py --mpi                # also Open MPI (mpirun + mpi4py)
+    python benchmarks/allreduce.py --sizes-kib 4 4 4    # small-message latency, repeated
 
 Both libraries run in the same processes, interleaved per size (A B A B ...), because this
 machine's speed swings 2-6x within minutes: only ratios from one job mean anything. Reported:
@@ -58,7 +59,7 @@ def _fmt_size(nbytes: int) -> str:
     return f"{nbytes // 1024} KiB" if nbytes < 1024 * 1024 else f"{nbytes // (1024 * 1024)} MiB"
 
 
-def worker_vs_gloo(max_mib: int, rounds: int) -> None:
+def worker_vs_gloo(max_mib: int, rounds: int, sizes_kib: list[int] | None = None) -> None:
     import torch
     import torch.distributed as dist
 
@@ -80,7 +81,7 @@ def worker_vs_gloo(max_mib: int, rounds: int) -> None:
         comm_mpi = MPI.COMM_WORLD
     libs = ("hora", "gloo", "mpi") if comm_mpi is not None else ("hora", "gloo")
     rows = []
-    for nbytes in _sizes(max_mib):
+    for nbytes in ([k * 1024 for k in sizes_kib] if sizes_kib else _sizes(max_mib)):
         count = nbytes // 4
         x_np = np.zeros(count, np.float32)  # zeros: repeated in-place sums never overflow
         x_t = torch.zeros(count, dtype=torch.float32)
@@ -176,10 +177,12 @@ def main() -> None:
                              "(needs mpirun and mpi4py)")
     parser.add_argument("--tcp", action="store_true",
                         help="measure hora's TCP ring (HORA_SHM=0) instead of shared memory")
+    parser.add_argument("--sizes-kib", type=int, nargs="+",
+                        help="measure exactly these sizes (KiB) instead of 4 KiB .. --max-mib")
     parser.add_argument("--worker", choices=["gloo", "algos"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "gloo":
-        worker_vs_gloo(args.max_mib, args.rounds)
+        worker_vs_gloo(args.max_mib, args.rounds, args.sizes_kib)
     elif args.worker == "algos":
         worker_algorithms(args.algo_mib, args.rounds)
     elif args.algorithms:
@@ -189,8 +192,9 @@ def main() -> None:
             if rc:
                 sys.exit(rc)
     else:
+        sizes = ["--sizes-kib", *map(str, args.sizes_kib)] if args.sizes_kib else []
         sys.exit(_launch(args.np, ["--worker", "gloo", "--max-mib", str(args.max_mib),
-                                   "--rounds", str(args.rounds)],
+                                   "--rounds", str(args.rounds), *sizes],
                          env={"HORA_SHM": "0"} if args.tcp else None, mpi=args.mpi))
 
 

@@ -61,7 +61,8 @@ def elementwise_op(op: ReduceOp | int) -> ReduceOp:
         NotImplementedError: ``op`` is Adasum, which is not an element-wise reduction.
         ValueError: ``op`` is not a ReduceOp value.
     """
-    op = ReduceOp(op)
+    if type(op) is not ReduceOp:
+        op = ReduceOp(op)
     if op == ReduceOp.Adasum:
         raise NotImplementedError(
             "Adasum is not an element-wise reduction and is not implemented by the ring/star/"

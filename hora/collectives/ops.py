@@ -86,7 +86,7 @@ def to_dtype(name: str) -> np.dtype[Any]:
 
 def reduce_inplace(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
     """``dst = op(dst, src)`` element-wise, in place. Adasum is not an element-wise op."""
-    ufunc = _UFUNCS.get(ReduceOp(op))
+    ufunc = _UFUNCS.get(op)  # IntEnum members hash as their int
     if ufunc is None:
         raise NotImplementedError(f"{ReduceOp(op).name} is not an element-wise reduction")
     if dst.dtype == np.bool_ and ufunc is np.add:

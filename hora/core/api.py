@@ -112,7 +112,8 @@ def allreduce_async(tensor: Any, *, name: str | None = None, op: int = ReduceOp.
     promises that the caller waits for the handle at once (sync wrappers; internal).
     """
     ctx = context.get("allreduce")
-    op = ReduceOp(op)
+    if type(op) is not ReduceOp:
+        op = ReduceOp(op)
     if op is ReduceOp.Adasum:
         raise NotImplementedError("Adasum is not implemented in hora yet; use op=Average or Sum")
     set_id, _ = _set_ranks(ctx, process_set)

@@ -29,6 +29,8 @@ from hora.timeline.writer import (
 
 log = get_logger(__name__)
 
+_OPS = {int(op): op for op in ReduceOp}
+
 _ERROR_TYPES: dict[int, type[HoraInternalError]] = {
     ERROR_SHUTDOWN: ShutdownError, ERROR_STALL: HoraTimeoutError,
 }
@@ -206,14 +208,18 @@ class Executor:
             if resp.op == ReduceOp.Average:
                 postscale = postscale / route.comm.size
             scale_inplace(buf, resp.prescale)
-            self._tl.activity_start_all(resp.names, collective_activity(route.name, resp.kind))
-            route.allreduce(buf, ReduceOp(resp.op), self._scratch_for(buf))
+            recording = self._tl.recording
+            if recording:
+                self._tl.activity_start_all(resp.names,
+                                            collective_activity(route.name, resp.kind))
+            route.allreduce(buf, _OPS[resp.op], self._scratch_for(buf))
             scale_inplace(buf, postscale)
-            if not single:
+            if not single and recording:
                 self._tl.activity_start_all(resp.names, MEMCPY_OUT_FUSION_BUFFER)
             offset = 0
             for name, entry, n, shape in zip(resp.names, local, sizes, resp.shapes):
-                self._tl.op_end(name, resp.dtype, shape)
+                if recording:
+                    self._tl.op_end(name, resp.dtype, shape)
                 if entry is not None:
                     if not single:
                         out = entry.output if entry.output is not None else np.empty(shape, dtype)

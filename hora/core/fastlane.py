@@ -74,14 +74,18 @@ IDLE_SLICE_S = 0.05
 BUSY_SLICE_S = 0.005
 """Doorbell wait slice while ops are pending (bounds the cost of a lost wakeup)."""
 
+DRIVER_SPIN_FACTOR = 8
+"""A waiting caller checks its doorbell this many times a collective's spin before sleeping."""
+
 # Board words (uint32), see hora.transports.shm_fabric.ShmFabric.board.
 (_COUNT, _OFF_AT, _CONSUMED, _DOORBELL, _DECISIONS, _DECISIONS_READ, _LANE_BELL,
- _DRIVING) = range(8)
+ _DRIVING, _ASLEEP) = range(9)
 _LOG = 16
 _DEC = _LOG + LOG_CAPACITY
 assert _DEC + DECISION_CAPACITY <= BOARD_WORDS
 
 MISS = 0xFFFFFFFF
+_UNWRITTEN, _CLOSED, _DIFFERENT = -2, -3, -4  # what _look finds instead of a common slot
 FAST, DIVERGED, OFF = 0, 1, 2
 _SHIFT = 28
 _LENGTH = (1 << _SHIFT) - 1
@@ -153,7 +157,9 @@ class FastLane:
         self._own_lane_bell = fabric.board_address(self.rank, _LANE_BELL)
         self._bells = [fabric.board_address(r, _DOORBELL) for r in range(self.size)]
         self._lane_bells = [fabric.board_address(r, _LANE_BELL) for r in range(self.size)]
-        self._spin = fabric.spin_checks
+        # A waiter spins longer than a collective's wait: its peer is a whole op of Python
+        # behind (tens of microseconds), and sleeping costs a wake-up on both sides.
+        self._spin = fabric.spin_checks * DRIVER_SPIN_FACTOR
         self._limit = max(0, config.fusion_threshold)
         self._capacity = config.cache_capacity
         self._stall_s = (0.0 if config.stall_check_disable
@@ -161,6 +167,7 @@ class FastLane:
         # cache (written on the engine thread, read by submitters and the lane thread)
         self._slots: list[Slot] = []
         self._by_name: dict[str, Slot] = {}
+        self._responses: dict[tuple[str, ...], Response] = {}  # lane thread / driver only
         # this rank's log (guarded by _append_lock)
         self._append_lock = threading.Lock()
         self._count = 0
@@ -176,7 +183,9 @@ class FastLane:
         self._published = 0  # leader: decisions published
         self._undecided_since: float | None = None
         self._published_off = False
-        self.thread_ops = 0
+        self._stale = False
+        self.thread_ops = 0  # of which the lane thread ran (the rest: waiting callers)
+        self.batches = 0  # fused collectives run
         self.fast_ops = 0  # ops this rank ran through the lane (tests, benchmarks)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"hora-lane-{set_id}",
@@ -203,8 +212,9 @@ class FastLane:
                         resp.postscale, nbytes)
             if old is None:
                 self._slots.append(slot)
-            else:
+            elif old != slot:
                 self._slots[index] = slot
+                self._stale = True  # cached responses may name the old shape
             self._by_name[name] = slot
 
     # ---- submission (user threads) -----------------------------------------------------------
@@ -289,7 +299,9 @@ class FastLane:
                     if own[_DOORBELL] != seen:
                         break
                 else:
+                    own[_ASLEEP] = 1  # ringers skip the wake system call unless set
                     futex_wait(self._own_bell, seen, BUSY_SLICE_S)
+                    own[_ASLEEP] = 0
         except BaseException as exc:  # noqa: BLE001 - the lane fails; waiters see the error
             self._fail(exc)
         finally:
@@ -334,27 +346,49 @@ class FastLane:
         return self._apply() or busy
 
     # ---- leader ------------------------------------------------------------------------------
+    def _look(self, p: int) -> int:
+        """Leader: what every log says at position ``p``.
+
+        Returns the slot every member logged there; :data:`_UNWRITTEN` if some member has not
+        reached ``p``; :data:`_CLOSED` if some member closed its log at or before ``p``;
+        :data:`_DIFFERENT` if they disagree or logged a miss.
+        """
+        index = _LOG + p % LOG_CAPACITY
+        common = -1
+        result = 0
+        for b in self._boards:
+            off = b[_OFF_AT]
+            if off and ((p - off + 1) & _MASK) < _HALF:
+                return _CLOSED
+            if not 0 < ((b[_COUNT] - p) & _MASK) < _HALF:
+                result = _UNWRITTEN
+                continue
+            value = b[index]
+            if common == -1:
+                common = value
+            elif value != common:
+                result = result or _DIFFERENT
+        if result:
+            return result
+        return _DIFFERENT if common == MISS or common >= len(self._slots) else common
+
     def _decide(self) -> bool:
-        boards = self._boards
+        if self._published_off:
+            return False
+        room = DECISION_CAPACITY - max((self._published - b[_DECISIONS_READ]) & _MASK
+                                       for b in self._boards)
         made = 0
-        while not self._published_off and max(
-                (self._published - b[_DECISIONS_READ]) & _MASK for b in boards
-        ) < DECISION_CAPACITY:
+        while made < room:
             p = self._decided
-            if any(_closed_at(b[_OFF_AT], p) for b in boards):
+            first = self._look(p)
+            if first == _CLOSED or (first == _UNWRITTEN and self._stalled(p)):
                 self._publish(OFF, 0)
                 made += 1
                 break
-            if not all(_written(b[_COUNT], p) for b in boards):
-                if self._stalled(p):
-                    self._publish(OFF, 0)
-                    made += 1
+            if first == _UNWRITTEN:
                 break
             self._undecided_since = None
-            first = boards[0][_LOG + p % LOG_CAPACITY]
-            agreed = first != MISS and first < len(self._slots) and all(
-                b[_LOG + p % LOG_CAPACITY] == first for b in boards)
-            if not agreed:
+            if first == _DIFFERENT:
                 self._publish(DIVERGED, 1)
                 self._decided = p + 1
                 made += 1
@@ -362,19 +396,15 @@ class FastLane:
             slot = self._slots[first]
             total, q = slot.nbytes, p + 1
             while q - p < _LENGTH:
-                if not all(_written(b[_COUNT], q) for b in boards):
-                    break
-                nxt = boards[0][_LOG + q % LOG_CAPACITY]
-                if nxt == MISS or nxt >= len(self._slots) or not all(
-                        b[_LOG + q % LOG_CAPACITY] == nxt for b in boards):
+                nxt = self._look(q)
+                if nxt < 0:
                     break
                 other = self._slots[nxt]
-                if not slot.fuses_with(other) or total + other.nbytes > self._limit \
-                        or not self._route.fits(total + other.nbytes):
+                grown = total + other.nbytes
+                if grown > self._limit or not slot.fuses_with(other) \
+                        or not self._route.fits(grown):
                     break
-                if any(_closed_at(b[_OFF_AT], q) for b in boards):
-                    break
-                total += other.nbytes
+                total = grown
                 q += 1
             self._publish(FAST, q - p)
             self._decided = q
@@ -443,13 +473,23 @@ class FastLane:
                 raise HoraInternalError(f"fast lane of process set {self.set_id} is out of step "
                                         f"at position {position} (a bug)")
             entries.append(entry)
-        slots = [self._by_name[e.request.name] for e in entries]
-        first = slots[0]
-        resp = Response(kind=OpKind.ALLREDUCE, names=[s.name for s in slots], set_id=self.set_id,
-                        dtype=first.dtype, op=first.op, prescale=first.prescale,
-                        postscale=first.postscale, shapes=[list(s.shape) for s in slots])
+        if self._stale:
+            self._stale = False
+            self._responses.clear()
+        key = tuple(e.request.name for e in entries)
+        resp = self._responses.get(key)
+        if resp is None:  # the same batches recur every step: build each response once
+            slots = [self._by_name[name] for name in key]
+            first = slots[0]
+            resp = Response(kind=OpKind.ALLREDUCE, names=list(key), set_id=self.set_id,
+                            dtype=first.dtype, op=first.op, prescale=first.prescale,
+                            postscale=first.postscale, shapes=[list(s.shape) for s in slots])
+            if len(self._responses) >= self._capacity:
+                self._responses.clear()
+            self._responses[key] = resp
         self._executor.execute(resp, {e.request.name: e for e in entries})
         self.fast_ops += length
+        self.batches += 1
 
     def _go_off(self) -> None:
         with self._append_lock:
@@ -469,7 +509,8 @@ class FastLane:
         board = self._boards[peer]
         if board[_DRIVING]:
             board[_DOORBELL] = (board[_DOORBELL] + 1) & _MASK
-            futex_wake(self._bells[peer])
+            if board[_ASLEEP]:  # (a wake lost to store/load reordering costs one slice)
+                futex_wake(self._bells[peer])
         elif board[_COUNT] != board[_CONSUMED]:
             board[_LANE_BELL] = (board[_LANE_BELL] + 1) & _MASK
             futex_wake(self._lane_bells[peer])
@@ -519,4 +560,5 @@ class FastLane:
 
     def describe(self) -> dict[str, Any]:
         return {"set": self.set_id, "slots": len(self._slots), "logged": self._count,
-                "fast_ops": self.fast_ops, "thread_ops": self.thread_ops, "off": self._off}
+                "fast_ops": self.fast_ops, "thread_ops": self.thread_ops,
+                "batches": self.batches, "off": self._off}

@@ -21,11 +21,14 @@ class Handle:
     :class:`~hora.errors.HoraInternalError` subclass that failed it.
     """
 
-    __slots__ = ("_callbacks", "_early", "_error", "_event", "_lock", "_result", "driver", "name")
+    __slots__ = ("_callbacks", "_done", "_early", "_error", "_gate", "_lock", "_result", "driver",
+                 "name")
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._event = threading.Event()
+        self._done = False
+        self._gate = threading.Lock()  # held until done: waiters block on it (cheaper than Event)
+        self._gate.acquire()
         self._result: Any = None
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[Handle], None]] = []
@@ -36,7 +39,7 @@ class Handle:
 
     def done(self) -> bool:
         """True once the op has finished (successfully or not)."""
-        return self._event.is_set()
+        return self._done
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done; return the result or raise the op's error.
@@ -50,9 +53,9 @@ class Handle:
             HoraInternalError: the op failed (mismatch, lost peer, shutdown).
         """
         driver = self.driver
-        if driver is not None and not self._event.is_set():
-            driver(self._event.is_set, timeout)
-        if not self._event.wait(timeout):
+        if driver is not None and not self._done:
+            driver(self.done, timeout)
+        if not self._done and not self._pass_gate(timeout):
             raise HoraTimeoutError(
                 f"op '{self.name}' did not finish within {timeout} s; it is still pending. "
                 "Are all ranks submitting it? (the stall inspector names missing ranks)"
@@ -60,6 +63,13 @@ class Handle:
         if self._error is not None:
             raise self._error
         return self._result
+
+    def _pass_gate(self, timeout: float | None) -> bool:
+        gate = self._gate
+        if not gate.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            return False
+        gate.release()  # let the next waiter through
+        return True
 
     def result(self) -> Any:
         """Same as ``wait()``."""
@@ -72,7 +82,7 @@ class Handle:
         op's name, so a waiter may reuse it at once); they must not wait on the handle.
         """
         with self._lock:
-            if not self._event.is_set():
+            if not self._done:
                 (self._early if early else self._callbacks).append(fn)
                 return
         fn(self)
@@ -85,12 +95,13 @@ class Handle:
 
     def _finish(self, value: Any, error: BaseException | None) -> None:
         with self._lock:
-            if self._event.is_set():
+            if self._done:
                 return
             self._result, self._error = value, error
             for fn in self._early:
                 fn(self)
-            self._event.set()
+            self._done = True
+            self._gate.release()
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             fn(self)
