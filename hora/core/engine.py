@@ -159,6 +159,27 @@ class Engine:
         if lane is not None:
             lane.learn(resp)
 
+    def _reopen_lane(self, set_id: int) -> None:
+        """Every member joined (each closed its log and flushed it): start a fresh lane.
+
+        Runs on every member at the same response, so the new lane's shared-memory group can
+        be built collectively; the slots carry over.
+        """
+        old = self._lanes.pop(set_id, None)
+        route = self._executor.existing_route(set_id)
+        if old is None or route is None:
+            return
+        old.stop()
+        if not route.renew_lane_group(self._job_id):
+            return
+        lane = FastLane(set_id, route, self.config,
+                        Executor(self.transport.comm(), self.registry, self.config,
+                                 hostnames=self._hostnames, job_id=self._job_id),
+                        self._requeue, self._lane_failed)
+        lane.adopt_cache(old)
+        self._lanes[set_id] = lane
+        lane.start()
+
     def lane(self, set_id: int = 0) -> FastLane | None:
         """The set's fast lane, if it has one (tests, benchmarks)."""
         return self._lanes.get(set_id)
@@ -375,6 +396,8 @@ class Engine:
                 lane = self._lanes.pop(resp.value, None)
                 if lane is not None:
                     lane.stop()
+            elif resp.kind is OpKind.JOIN and in_set:
+                self._reopen_lane(resp.set_id)
             if in_set or resp.kind in (OpKind.ADD_PROCESS_SET, OpKind.REMOVE_PROCESS_SET,
                                        OpKind.ERROR):
                 self._executor.execute(resp, self._pending)

@@ -102,6 +102,10 @@ class Executor:
             log.info("process set %d (%d ranks) data path: %s", set_id, comm.size, route.name)
         return route
 
+    def existing_route(self, set_id: int) -> Route | None:
+        """The set's route if it was built already."""
+        return self._routes.get(set_id)
+
     def adopt_route(self, set_id: int, route: Route) -> None:
         """Use ``route`` for ``set_id`` (an executor of the fast lane, over its own group)."""
         self._routes[set_id] = route

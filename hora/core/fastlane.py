@@ -22,7 +22,8 @@ decision in its board:
   member hands its own op at ``p`` (if it was a hit) to the negotiated path, where the
   coordinator pairs ops by name, or reports the mismatch naming the ranks;
 * ``OFF``: a member closed its log at ``p`` (``join``, its log full, a stall): every member hands
-  every op at ``p`` or later to the negotiated path and stops appending.
+  every op at ``p`` or later to the negotiated path and stops appending. When a ``join``
+  completes, the engine starts a fresh lane (a new group, the same slots) on every member.
 
 Every member applies the same decisions in the same order, so an op runs through the lane on
 all members or on none, and lane ops run in one order everywhere. The lane has its own
@@ -216,6 +217,11 @@ class FastLane:
                 self._slots[index] = slot
                 self._stale = True  # cached responses may name the old shape
             self._by_name[name] = slot
+
+    def adopt_cache(self, old: FastLane) -> None:
+        """Take over another lane's slots (a lane reopened after ``join``)."""
+        self._slots = list(old._slots)
+        self._by_name = dict(old._by_name)
 
     # ---- submission (user threads) -----------------------------------------------------------
     def submit(self, entry: Entry) -> bool:

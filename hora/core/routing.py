@@ -69,6 +69,14 @@ class Route:
         """Whether an op of ``nbytes`` runs in shared memory (the same answer on every member)."""
         return self.group is not None and self._shm_fits(nbytes)
 
+    def renew_lane_group(self, job_id: str) -> bool:
+        """Replace :attr:`lane_group` by a fresh one (collective over the set); True if made."""
+        if self.lane_group is None:
+            return False
+        self.lane_group.close()
+        self.lane_group = _lane_group(self.comm, self._config, job_id)
+        return self.lane_group is not None
+
     def lane_route(self) -> Route | None:
         """The fast lane's route: the same decisions over :attr:`lane_group`, or None."""
         if self.lane_group is None:
