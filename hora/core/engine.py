@@ -77,13 +77,15 @@ class Engine:
         self._queue: deque[Entry] = deque()
         self._names: set[tuple[int, str]] = set()
         self._names_lock = threading.Lock()
-        self._pending: dict[str, Entry] = {}  # background thread only
+        self._pending: dict[int, dict[str, Entry]] = {}  # set -> name -> op; engine thread only
         self.timeline = Timeline.from_config(config, self.rank)
         self._hostnames, self._job_id = hostnames, job_id
         self._executor = Executor(transport.comm(), registry, config, self.timeline,
                                   hostnames=hostnames, job_id=job_id,
                                   on_allreduce=self._on_allreduce)
         self._lanes: dict[int, FastLane] = {}  # process set -> its fast lane (same host)
+        self._lane_lock = threading.Lock()  # orders allreduce submissions and lane creation
+        self._allreduces: dict[int, int] = {}  # set -> allreduces submitted (lane positions)
         self._lane_error: BaseException | None = None
         self._coordinator = Coordinator(registry, config) if self.rank == 0 else None
         self._stop = threading.Event()
@@ -118,8 +120,12 @@ class Engine:
         entry.handle.add_done_callback(lambda _h: self._release(key), early=True)
         kind = entry.request.kind
         if kind is OpKind.ALLREDUCE:
-            lane = self._lanes.get(entry.request.set_id)
-            if lane is not None and lane.submit(entry):
+            set_id = entry.request.set_id
+            with self._lane_lock:  # the n-th allreduce on a set is at position n in its log
+                self._allreduces[set_id] = self._allreduces.get(set_id, 0) + 1
+                lane = self._lanes.get(set_id)
+                taken = lane is not None and lane.submit(entry)
+            if taken:
                 return  # the fast lane runs it: no negotiation
         elif kind is OpKind.JOIN or kind is OpKind.REMOVE_PROCESS_SET:
             # Ops already logged in the lane reach the coordinator before this one does.
@@ -152,9 +158,11 @@ class Engine:
         if lane is None and route.lane_group is not None:
             executor = Executor(self.transport.comm(), self.registry, self.config,
                                 hostnames=self._hostnames, job_id=self._job_id)
-            lane = FastLane(resp.set_id, route, self.config, executor, self._requeue,
-                            self._lane_failed)
-            self._lanes[resp.set_id] = lane
+            with self._lane_lock:  # allreduces submitted before now were not logged: the
+                # lane counts them as misses, so position n stays the n-th allreduce everywhere
+                lane = FastLane(resp.set_id, route, self.config, executor, self._requeue,
+                                self._lane_failed, start=self._allreduces.get(resp.set_id, 0))
+                self._lanes[resp.set_id] = lane
             lane.start()
         if lane is not None:
             lane.learn(resp)
@@ -165,7 +173,8 @@ class Engine:
         Runs on every member at the same response, so the new lane's shared-memory group can
         be built collectively; the slots carry over.
         """
-        old = self._lanes.pop(set_id, None)
+        with self._lane_lock:  # submissions go to the negotiated path until the new lane exists
+            old = self._lanes.pop(set_id, None)
         route = self._executor.existing_route(set_id)
         if old is None or route is None:
             return
@@ -177,7 +186,8 @@ class Engine:
                                  hostnames=self._hostnames, job_id=self._job_id),
                         self._requeue, self._lane_failed)
         lane.adopt_cache(old)
-        self._lanes[set_id] = lane
+        with self._lane_lock:  # every member starts its new log at position 0 here
+            self._lanes[set_id] = lane
         lane.start()
 
     def lane(self, set_id: int = 0) -> FastLane | None:
@@ -269,7 +279,7 @@ class Engine:
         requests: list[Request] = []
         while self._queue:
             entry = self._queue.popleft()
-            self._pending[entry.request.name] = entry
+            self._pending.setdefault(entry.request.set_id, {})[entry.request.name] = entry
             requests.append(entry.request)
         if not requests:
             return False
@@ -400,7 +410,7 @@ class Engine:
                 self._reopen_lane(resp.set_id)
             if in_set or resp.kind in (OpKind.ADD_PROCESS_SET, OpKind.REMOVE_PROCESS_SET,
                                        OpKind.ERROR):
-                self._executor.execute(resp, self._pending)
+                self._executor.execute(resp, self._pending.setdefault(resp.set_id, {}))
 
     # ---- shutdown and failure ------------------------------------------------------------------
     def _say_goodbye(self) -> None:
@@ -471,7 +481,8 @@ class Engine:
     def _fail_all(self, error: HoraInternalError) -> None:
         while self._queue:
             entry = self._queue.popleft()
-            self._pending[entry.request.name] = entry
-        for entry in self._pending.values():
-            entry.handle.set_error(type(error)(str(error)))
+            self._pending.setdefault(entry.request.set_id, {})[entry.request.name] = entry
+        for ops in self._pending.values():
+            for entry in ops.values():
+                entry.handle.set_error(type(error)(str(error)))
         self._pending.clear()

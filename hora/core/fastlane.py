@@ -130,11 +130,13 @@ class FastLane:
         config: fusion threshold, cache capacity, stall time.
         requeue: hands an op to the negotiated path (the engine's queue); called in log order.
         failed: called once, from the lane's thread, when a lane collective fails.
+        start: allreduces this rank submitted on the set before the lane existed; the log
+            begins with that many misses.
     """
 
     def __init__(self, set_id: int, route: Route, config: Config, executor: Executor,
                  requeue: Callable[[Entry], None],
-                 failed: Callable[[BaseException], None]) -> None:
+                 failed: Callable[[BaseException], None], *, start: int = 0) -> None:
         lane_route = route.lane_route()
         if lane_route is None or route.lane_group is None:
             raise ValueError("the route has no lane group")
@@ -191,6 +193,11 @@ class FastLane:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"hora-lane-{set_id}",
                                         daemon=True)
+        if start:
+            for position in range(max(0, start - LOG_CAPACITY), start):
+                self._own[_LOG + position % LOG_CAPACITY] = MISS
+            self._count = start
+            self._own[_COUNT] = start & _MASK
 
     def start(self) -> None:
         self._thread.start()
@@ -561,8 +568,12 @@ class FastLane:
             self._fabric.close()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
-        for view in self._boards:
-            view.release()
+        if self._drive_lock.acquire(timeout=timeout):  # no caller is running the lane now
+            try:
+                for view in self._boards:
+                    view.release()
+            finally:
+                self._drive_lock.release()
 
     def describe(self) -> dict[str, Any]:
         return {"set": self.set_id, "slots": len(self._slots), "logged": self._count,

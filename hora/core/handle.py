@@ -8,6 +8,7 @@ by ``shutdown``) to handles; it lives in the core so no adapter keeps its own ma
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -53,9 +54,13 @@ class Handle:
             HoraInternalError: the op failed (mismatch, lost peer, shutdown).
         """
         driver = self.driver
+        left = timeout
         if driver is not None and not self._done:
+            start = time.monotonic()
             driver(self.done, timeout)
-        if not self._done and not self._pass_gate(timeout):
+            if timeout is not None:
+                left = max(0.0, timeout - (time.monotonic() - start))
+        if not self._done and not self._pass_gate(left):
             raise HoraTimeoutError(
                 f"op '{self.name}' did not finish within {timeout} s; it is still pending. "
                 "Are all ranks submitting it? (the stall inspector names missing ranks)"

@@ -1,0 +1,222 @@
+"""The fast lane in real multi-process jobs (`hora run`, real /dev/shm, real process deaths).
+
+Each test writes a small worker script to a temporary directory and runs it with
+``hora run -np 2``, killed (whole process group) after a hard timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from .conftest import Job
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+
+SHM_DIR = "/dev/shm"
+
+_PRELUDE = """\
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import hora
+from hora.core import context
+from hora.transports.shm import job_id_from_env, job_segments
+
+hora.init()
+r, n = hora.rank(), hora.size()
+"""
+
+
+def _run_script(tmp_path: Path, body: str, np_: int = 2, timeout: float = 90,
+                env: dict[str, str] | None = None) -> Job:
+    """`hora run -np N python SCRIPT` (SCRIPT = prelude + body), killed after ``timeout``."""
+    script = tmp_path / "fastlane_worker.py"
+    script.write_text(_PRELUDE + textwrap.dedent(body))
+    cmd = [sys.executable, "-m", "hora.runner.cli", "run", "-np", str(np_), sys.executable,
+           str(script)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})}, start_new_session=True,
+                            cwd=str(Path(__file__).resolve().parents[2]))
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"job did not finish in {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return Job(proc.returncode, out, err)
+
+
+def _shm_names() -> set[str]:
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith("hora-")}
+    except OSError:
+        return set()
+
+
+def _seconds(line: str) -> float:
+    m = re.search(r"after ([\d.]+)s", line)
+    assert m is not None, line
+    return float(m.group(1))
+
+
+@pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm")
+def test_steady_loop_takes_the_lane_and_leaves_no_segments(tmp_path: Path) -> None:
+    before = _shm_names()
+    job = _run_script(tmp_path, """
+        job = job_id_from_env()
+        live = len(job_segments(job))  # this job's segments while it runs
+        shapes = {"b": (8,), "w": (3, 4), "s": (1,)}
+        for i in range(300):
+            name = "bws"[i % 3]
+            base = np.arange(np.prod(shapes[name]), dtype=np.float64).reshape(shapes[name])
+            x = base * (r + 1) + i * (r + 2)
+            want = base * sum(range(1, n + 1)) + i * sum(q + 2 for q in range(n))
+            hora.allreduce_(x, op=hora.Sum, name=name)
+            assert np.array_equal(x, want), (i, name, x, want)
+        d = context.get().engine.lane(0).describe()
+        live = max(live, len(job_segments(job)))
+        print(f"LANE rank {r} fast_ops {d['fast_ops']} slots {d['slots']} off {d['off']} "
+              f"job {job} segments {live}", flush=True)
+        hora.shutdown()
+        print(f"OK rank {r}", flush=True)
+    """)
+    assert job.returncode == 0, job.stdout + job.stderr
+    lanes = job.lines("LANE")
+    assert len(lanes) == 2, job.stdout + job.stderr
+    jobs = set()
+    for line in lanes:
+        m = re.search(r"fast_ops (\d+) slots (\d+) off (\w+) job (\S+) segments (\d+)", line)
+        assert m is not None, line
+        assert int(m.group(1)) >= 250, line
+        assert int(m.group(2)) == 3 and m.group(3) == "False", line
+        assert int(m.group(5)) > 0, line  # the prefix below really names this job's segments
+        jobs.add(m.group(4))
+    assert len(jobs) == 1 and len(job.lines("OK rank")) == 2
+    job_id = jobs.pop()
+    leftovers = sorted(n for n in _shm_names() if n.startswith(f"hora-{job_id}-"))
+    assert leftovers == [], leftovers
+    # (other jobs' segments may come and go meanwhile: only this job's are checked, and none
+    # of them existed before it started)
+    assert not [n for n in before if n.startswith(f"hora-{job_id}-")]
+
+
+def test_sigkilled_rank_fails_the_survivor_fast(tmp_path: Path) -> None:
+    job = _run_script(tmp_path, """
+        # The launcher SIGTERMs the other ranks as soon as one is killed by a signal; the
+        # survivor ignores it (it is SIGKILLed after the grace period) so that it can report.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        i, t0 = -1, time.monotonic()
+        try:
+            for i in range(100000):
+                if r == 1 and i == 50:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                x = np.full(64, float(r + i))
+                t0 = time.monotonic()
+                hora.allreduce_(x, op=hora.Sum, name="k")
+                assert x[0] == 2 * i + 1, (i, x[0])
+                if i == 40 and r == 0:
+                    d = context.get().engine.lane(0).describe()
+                    print(f"LANE fast_ops {d['fast_ops']}", flush=True)
+            print("NOERR", flush=True)
+        except hora.HoraError as exc:
+            print(f"ERR rank {r} at {i} after {time.monotonic() - t0:.1f}s: "
+                  f"{type(exc).__name__}: {exc}", flush=True)
+            sys.exit(3)
+        except BaseException as exc:
+            print(f"RAW rank {r} at {i}: {type(exc).__name__}: {exc}", flush=True)
+            sys.exit(4)
+    """, timeout=90)
+    out = job.stdout + job.stderr
+    assert job.returncode != 0, out
+    raw = job.lines("RAW")  # e.g. a released memoryview (see test_engine_stop_while_a_thread_...)
+    assert not raw and not job.lines("NOERR"), out
+    errors = job.lines("ERR")
+    assert len(errors) == 1, out
+    line = errors[0]
+    assert line.startswith("ERR rank 0 at 50 "), line
+    assert _seconds(line) < 15, line
+    assert "rank 1" in line, line
+    assert re.search(r"lost|died|dead|exited|closed|killed|vanished", line), line
+    lane = job.lines("LANE")
+    assert len(lane) == 1 and int(lane[0].split()[-1]) >= 30, out  # it was in the lane
+
+
+def test_rank_that_shuts_down_early_fails_the_others_extra_op(tmp_path: Path) -> None:
+    job = _run_script(tmp_path, """
+        count = 30 if r == 0 else 29  # rank 1's loop ends one op early
+        for i in range(count):
+            x = np.full(16, float(r + i))
+            t0 = time.monotonic()
+            try:
+                hora.allreduce_(x, op=hora.Sum, name="c")
+            except hora.HoraError as exc:
+                print(f"ERR rank {r} at {i} after {time.monotonic() - t0:.1f}s: "
+                      f"{type(exc).__name__}: {exc}", flush=True)
+                break
+            except BaseException as exc:
+                print(f"RAW rank {r} at {i}: {type(exc).__name__}: {exc}", flush=True)
+                break
+            assert x[0] == 2 * i + 1, (i, x[0])
+            if i == 20:
+                d = context.get().engine.lane(0).describe()
+                print(f"LANE rank {r} fast_ops {d['fast_ops']}", flush=True)
+        hora.shutdown()
+        print(f"DONE rank {r}", flush=True)
+    """, timeout=90)
+    out = job.stdout + job.stderr
+    assert not job.lines("RAW"), out
+    errors = job.lines("ERR")
+    assert len(errors) == 1, out
+    line = errors[0]
+    assert line.startswith("ERR rank 0 at 29 "), line
+    assert _seconds(line) < 15, line
+    assert "shut down" in line, line
+    assert len(job.lines("DONE")) == 2, out
+    lanes = job.lines("LANE")
+    assert len(lanes) == 2 and all(int(ln.split()[-1]) >= 15 for ln in lanes), out
+    assert job.returncode == 0, out
+
+
+def test_async_ops_around_the_lane_opening_do_not_stall_later_steps(tmp_path: Path) -> None:
+    job = _run_script(tmp_path, """
+        a, b = np.ones(4), np.ones(4)
+        if r == 0:
+            time.sleep(0.3)  # rank 0 is a little late for the first step
+            hora.allreduce(a, op=hora.Sum, name="A")  # A runs: rank 0's lane opens
+            hora.allreduce(b, op=hora.Sum, name="B")  # so B is logged in it (a miss)
+        else:
+            ha = hora.allreduce_async(a, op=hora.Sum, name="A")  # both submitted before any
+            hb = hora.allreduce_async(b, op=hora.Sum, name="B")  # allreduce ran: no lane yet
+            hora.synchronize(ha)
+            hora.synchronize(hb)
+        t0 = time.monotonic()
+        for i in range(5):  # A is cached on both ranks
+            x = np.full(4, float(i + r))
+            hora.allreduce_(x, op=hora.Sum, name="A")
+            assert x[0] == 2 * i + 1, (i, x)
+        print(f"LOOP rank {r} after {time.monotonic() - t0:.1f}s", flush=True)
+        hora.shutdown()
+    """, timeout=90, env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "6"})
+    out = job.stdout + job.stderr
+    assert job.returncode == 0, out
+    loops = job.lines("LOOP")
+    assert len(loops) == 2, out
+    for line in loops:
+        assert _seconds(line) < 3, line  # 5 cached allreduces: milliseconds, not the stall time
