@@ -86,6 +86,7 @@ class Engine:
         self._lanes: dict[int, FastLane] = {}  # process set -> its fast lane (same host)
         self._lane_lock = threading.Lock()  # orders allreduce submissions and lane creation
         self._allreduces: dict[int, int] = {}  # set -> allreduces submitted (lane positions)
+        self._joining: set[int] = set()  # sets this rank joined (until every member has)
         self._lane_error: BaseException | None = None
         self._coordinator = Coordinator(registry, config) if self.rank == 0 else None
         self._stop = threading.Event()
@@ -129,8 +130,11 @@ class Engine:
                 return  # the fast lane runs it: no negotiation
         elif kind is OpKind.JOIN or kind is OpKind.REMOVE_PROCESS_SET:
             # Ops already logged in the lane reach the coordinator before this one does.
-            lane = self._lanes.get(entry.request.set_id if kind is OpKind.JOIN
-                                   else entry.request.root)
+            with self._lane_lock:
+                if kind is OpKind.JOIN:
+                    self._joining.add(entry.request.set_id)
+                lane = self._lanes.get(entry.request.set_id if kind is OpKind.JOIN
+                                       else entry.request.root)
             if lane is not None:
                 lane.close_log()
                 lane.flush()
@@ -162,6 +166,8 @@ class Engine:
                 # lane counts them as misses, so position n stays the n-th allreduce everywhere
                 lane = FastLane(resp.set_id, route, self.config, executor, self._requeue,
                                 self._lane_failed, start=self._allreduces.get(resp.set_id, 0))
+                if resp.set_id in self._joining:  # joined before its lane existed: it logs
+                    lane.close_log()  # nothing, so the others must not wait for it
                 self._lanes[resp.set_id] = lane
             lane.start()
         if lane is not None:
@@ -175,6 +181,7 @@ class Engine:
         """
         with self._lane_lock:  # submissions go to the negotiated path until the new lane exists
             old = self._lanes.pop(set_id, None)
+            self._joining.discard(set_id)
         route = self._executor.existing_route(set_id)
         if old is None or route is None:
             return

@@ -683,3 +683,21 @@ def test_wait_timeout_on_a_lane_op_is_the_timeout_asked(world: Any) -> None:
     for hh in (h, h1):
         np.testing.assert_array_equal(hh.wait(WAIT), np.full(2, 2.0))
     assert 0.9 <= elapsed < 1.6, f"wait(1.0) raised after {elapsed:.2f} s"
+
+
+def test_rank_that_joined_before_the_lane_opened_is_not_waited_for(world: Any) -> None:
+    # Rank 1 joins before any allreduce ran (it has no lane yet, so it logs nothing); rank 0's
+    # first allreduce opens the lanes; rank 0's join must not wait for rank 1's log (it used to
+    # wait for the stall time, 60 s by default, inside submit).
+    w = world(2)
+    j1 = w.submit(1, "join", np.empty(0, np.uint8), OpKind.JOIN)
+    h = w.submit(0, "late", np.ones(3, np.float32), op=SUM)
+    np.testing.assert_array_equal(h.wait(WAIT), np.ones(3, np.float32))
+    start = time.monotonic()
+    j0 = w.submit(0, "join", np.empty(0, np.uint8), OpKind.JOIN)
+    assert j0.wait(WAIT) == 0 and j1.wait(WAIT) == 0
+    assert time.monotonic() - start < 10, "join waited for a rank that had already joined"
+    for _ in range(3):  # the reopened lane works
+        got = _reduce_all(w, "after", [np.ones(2), np.ones(2)])
+        for g in got:
+            np.testing.assert_array_equal(g, np.full(2, 2.0))
