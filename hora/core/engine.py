@@ -169,6 +169,8 @@ class Engine:
                 if resp.set_id in self._joining:  # joined before its lane existed: it logs
                     lane.close_log()  # nothing, so the others must not wait for it
                 self._lanes[resp.set_id] = lane
+            log.info("process set %d: fast lane on (allreduces negotiated once skip rank 0; "
+                     "up to %d names)", resp.set_id, self.config.cache_capacity)
             lane.start()
         if lane is not None:
             lane.learn(resp)
