@@ -48,8 +48,10 @@ class _Allreduce(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float,
                 post: float, process_set: ProcessSet) -> torch.Tensor:
         ctx.args = (op, pre, post, process_set)
-        return ops.synchronize(ops.allreduce_async(tensor, None, name, op, pre, post,
-                                                   process_set))
+        # the private helper: it tells the core that this caller waits at once (fast lane)
+        handle = ops._allreduce(tensor, False, name, _api.resolve_op(op, None), pre, post,
+                                process_set, sync=True)
+        return ops.synchronize(handle)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
