@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -123,6 +124,11 @@ def worker_vs_gloo(max_mib: int, rounds: int, sizes_kib: list[int] | None = None
             print(f"{_fmt_size(nbytes):>9} | {algo:>9} {th * 1e6:10.1f} "
                   f"{_busbw(nbytes, n, th):9.3f} | {tg * 1e6:10.1f} {_busbw(nbytes, n, tg):9.3f}"
                   f" | {tg / th:11.2f}x{mpi_cols}")
+    # buffers are reused across ops: peak RSS stays near start-up + the largest size's buffers
+    peak = hora.allgather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+                                 name="peak_rss")
+    if rank == 0:
+        print(f"peak RSS per rank (MiB): {' '.join(str(p) for p in peak)}")
     dist.destroy_process_group()
     hora.shutdown()
 
