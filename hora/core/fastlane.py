@@ -180,6 +180,7 @@ class FastLane:
         self._append_lock = threading.Lock()
         self._count = 0
         self._entries: dict[int, Entry] = {}
+        self._floor = 0  # a lower bound of every member's consumed position
         self._closed = False  # this rank appends no more (join, full, stop)
         self._off = False  # an OFF decision was applied: everything is negotiated
         self._error: BaseException | None = None
@@ -247,7 +248,9 @@ class FastLane:
                    and slot.shape == tuple(req.shape) and slot.prescale == req.prescale
                    and slot.postscale == req.postscale and entry.output is not None)
             count = self._count
-            if self._backlog(count) >= LOG_CAPACITY:
+            if count - self._floor >= LOG_CAPACITY // 2:  # (a stale floor only over-counts)
+                self._floor = count - self._backlog(count)
+            if count - self._floor >= LOG_CAPACITY:
                 self._close_locked()
                 log.debug("fast lane of set %d: log full, negotiating from now on", self.set_id)
                 return False
@@ -416,6 +419,8 @@ class FastLane:
             while q - p < _LENGTH:
                 nxt = self._look(q)
                 if nxt < 0:
+                    if nxt == _UNWRITTEN:
+                        room = made + 1  # the outer loop would find the same: stop after this
                     break
                 other = self._slots[nxt]
                 grown = total + other.nbytes

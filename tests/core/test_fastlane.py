@@ -701,3 +701,18 @@ def test_rank_that_joined_before_the_lane_opened_is_not_waited_for(world: Any) -
         got = _reduce_all(w, "after", [np.ones(2), np.ones(2)])
         for g in got:
             np.testing.assert_array_equal(g, np.full(2, 2.0))
+
+
+def test_full_log_turns_the_lane_off_and_every_op_still_completes(world: Any) -> None:
+    from hora.core.fastlane import LOG_CAPACITY
+
+    w = world(2)
+    for _ in range(2):  # open the lanes
+        _reduce_all(w, "warm", [np.ones(1), np.ones(1)])
+    n = LOG_CAPACITY + 50  # rank 0 runs this far ahead of rank 1: its log fills up
+    ahead = [w.submit(0, f"t{i}", np.full(1, float(i)), op=SUM) for i in range(n)]
+    behind = [w.submit(1, f"t{i}", np.ones(1), op=SUM) for i in range(n)]
+    for i, (a, b) in enumerate(zip(ahead, behind)):
+        np.testing.assert_array_equal(a.wait(WAIT), np.full(1, i + 1.0))
+        np.testing.assert_array_equal(b.wait(WAIT), np.full(1, i + 1.0))
+    assert _stat(w, "off") == [True, True]
