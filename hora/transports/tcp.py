@@ -1,15 +1,13 @@
 """The TCP transport: a full mesh of authenticated sockets between the ranks of a job, any hosts.
 
-:meth:`TcpTransport.create` listens on the chosen interface, publishes ``host:port`` and the
-host name in the rendezvous store, waits for every rank's entry, then builds
+:meth:`TcpTransport.create` has :func:`hora.transports.tcp_mesh.connect_mesh` build the mesh
+(rendezvous, listening, connecting, authentication; described there):
 
-* a **data** connection between every pair of ranks (the lower rank accepts, the higher rank
-  connects; all in parallel), used as raw byte streams by the collectives via :meth:`comm`;
+* a **data** connection between every pair of ranks, used as raw byte streams by the
+  collectives via :meth:`comm`;
 * a **control** connection between rank 0 and every other rank, carrying framed messages.
 
-Every connection runs :mod:`hora._util.auth` (the scope is bound into the MACs) and then states
-its rank and channel, so a process without the job secret, or from another generation of the
-job, is refused.
+This module is the transport that uses the established connections.
 
 Data plane: sockets are non-blocking with ``TCP_NODELAY``; :meth:`sendrecv` interleaves
 ``send`` of at most :data:`SEND_CHUNK` bytes with ``recv_into`` whatever has arrived, polling
@@ -27,30 +25,21 @@ several threads: :meth:`send_control` locks per peer, :meth:`recv_control` is se
 from __future__ import annotations
 
 import collections
-import json
-import queue
 import select
 import socket
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from hora._util import auth
 from hora._util.log import get_logger
 from hora._util.typing_compat import override
-from hora._util.net import recv_bytes, send_all
 from hora.collectives.comm import Buffer, Comm
-from hora.errors import (
-    AuthenticationError,
-    HoraInternalError,
-    HoraTimeoutError,
-    PeerLostError,
-    RendezvousError,
-    RendezvousTimeoutError,
-    TransportError,
-)
+from hora.errors import HoraInternalError, HoraTimeoutError, PeerLostError, TransportError
 from hora.transports.base import MAX_CONTROL_MESSAGE, Transport
+from hora.transports.tcp_mesh import LOST_HINT as _LOST_HINT
+from hora.transports.tcp_mesh import TIMEOUT_HINT as _TIMEOUT_HINT
+from hora.transports.tcp_mesh import connect_mesh
 
 if TYPE_CHECKING:
     from hora.rendezvous.kvstore import KVStoreClient
@@ -61,16 +50,9 @@ SEND_CHUNK = 512 * 1024
 """Most bytes handed to one ``send`` call inside :meth:`TcpTransport.sendrecv`, so that sending
 yields to receiving often enough to keep both directions moving (measured: see docs)."""
 
-DATA, CONTROL = 0, 1
-_CHANNEL_NAMES = {DATA: "data", CONTROL: "control"}
-_HELLO = struct.Struct("!8sIIB")  # magic, rank, size, channel
-_HELLO_MAGIC = b"HORATCP1"
-_ACCEPT, _REJECT = b"\x01", b"\x00"
 _LEN = struct.Struct("!I")
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
-_TIMEOUT_HINT = "HINT: raise HORA_TIMEOUT_SECONDS (hora run --timeout-seconds) if this is expected."
-_LOST_HINT = "it probably exited or crashed; see its output"
 
 
 def _byte_view(buf: Buffer, writable: bool = False) -> memoryview:
@@ -156,35 +138,9 @@ class TcpTransport(Transport):
         deadline = time.monotonic() + (timeout if connect_timeout is None else connect_timeout)
         if size == 1:
             return cls(rank, size, [hostname], {}, {}, timeout)
-        if store is None:
-            raise TransportError(f"a {size}-rank TCP transport needs a rendezvous store")
-        try:
-            listener = socket.create_server((bind_host, 0), backlog=2 * size + 8,
-                                            family=socket.AF_INET6 if ":" in bind_host
-                                            else socket.AF_INET)
-        except OSError as exc:
-            raise TransportError(
-                f"rank {rank} cannot listen on {bind_host!r}: {exc}. HINT: it must be an address "
-                "of this host; choose the interface with HORA_GLOO_IFACE."
-            ) from exc
-        wake_pair = socket.socketpair()
-        try:
-            port = listener.getsockname()[1]
-            advertised = bind_host if bind_host not in ("", "0.0.0.0", "::") else hostname
-            entry = {"host": advertised, "port": port, "hostname": hostname, "size": size}
-            store.set(scope, str(rank), json.dumps(entry).encode())
-            entries = _gather_entries(store, scope, rank, size, deadline)
-            setup = _MeshSetup(rank, size, entries, secret, scope, deadline, listener, wake_pair)
-            data, control = setup.run()
-        except BaseException:
-            listener.close()
-            for sock in wake_pair:
-                sock.close()
-            raise
-        listener.close()
-        hostnames = [str(entries[r]["hostname"]) for r in range(size)]
+        mesh = connect_mesh(rank, size, store, scope, secret, bind_host, hostname, deadline)
         log.debug("tcp mesh of %d ranks ready (scope %s)", size, scope)
-        return cls(rank, size, hostnames, data, control, timeout, wake_pair)
+        return cls(rank, size, mesh.hostnames, mesh.data, mesh.control, timeout, mesh.wake_pair)
 
     # ---- identity ----------------------------------------------------------------------------
 
@@ -532,228 +488,6 @@ class TcpTransport(Transport):
         if not getattr(self, "_closed", True):
             for sock in (*self._data.values(), *self._control.values()):
                 sock.close()
-
-
-# ---- rendezvous and mesh set-up --------------------------------------------------------------
-
-def _gather_entries(store: KVStoreClient, scope: str, rank: int, size: int,
-                    deadline: float) -> dict[int, dict[str, Any]]:
-    keys = [str(r) for r in range(size)]
-    try:
-        raw = store.wait(scope, keys, max(0.0, deadline - time.monotonic()))
-    except RendezvousTimeoutError:
-        missing = [int(k) for k in store.missing(scope, keys)]
-        raise RendezvousTimeoutError(
-            f"rank {rank}: ranks {missing} of {size} never published their address in scope "
-            f"{scope!r}: they never started or never reached hora.init() (or crashed before). "
-            "HINT: check their output; raise HORA_START_TIMEOUT if start-up is slow."
-        ) from None
-    entries: dict[int, dict[str, Any]] = {}
-    for r in range(size):
-        try:
-            entry = json.loads(raw[str(r)])
-            entry["port"] = int(entry["port"])
-            entry["host"], entry["hostname"] = str(entry["host"]), str(entry["hostname"])
-        except (ValueError, KeyError, TypeError):
-            raise RendezvousError(f"rank {r} published a malformed address in scope {scope!r}; "
-                                  "are all ranks running the same hora version?") from None
-        if int(entry.get("size", size)) != size:
-            raise RendezvousError(f"rank {r} thinks the job has {entry['size']} ranks, rank "
-                                  f"{rank} thinks {size}; did two jobs share a scope?")
-        entries[r] = entry
-    return entries
-
-
-class _MeshSetup:
-    """Accept and make every connection of one rank, in parallel, before a deadline."""
-
-    def __init__(self, rank: int, size: int, entries: dict[int, dict[str, Any]], secret: bytes,
-                 scope: str, deadline: float, listener: socket.socket,
-                 wake_pair: tuple[socket.socket, socket.socket]) -> None:
-        self.rank, self.size, self.entries = rank, size, entries
-        self.secret, self.deadline, self.listener = secret, deadline, listener
-        self.context = b"hora-tcp\0" + scope.encode()
-        self.wake_r, self.wake_w = wake_pair
-        self.incoming = {(p, DATA) for p in range(rank + 1, size)}
-        if rank == 0:
-            self.incoming |= {(p, CONTROL) for p in range(1, size)}
-        self.outgoing = [(p, DATA) for p in range(rank)] + ([(0, CONTROL)] if rank else [])
-        self.lock = threading.Lock()
-        self.done = False
-        self.conns: dict[tuple[int, int], socket.socket] = {}
-        self.errors: queue.Queue[BaseException] = queue.Queue()
-
-    def describe(self, peer: int) -> str:
-        return f"rank {peer} (host {self.entries[peer]['hostname']})"
-
-    def offer(self, key: tuple[int, int], sock: socket.socket) -> bool:
-        with self.lock:
-            if self.done or key in self.conns:
-                sock.close()
-                return False
-            self.conns[key] = sock
-        self._poke()
-        return True
-
-    def _poke(self) -> None:
-        try:
-            self.wake_w.send(b"\x00")
-        except OSError:
-            pass
-
-    def run(self) -> tuple[dict[int, socket.socket], dict[int, socket.socket]]:
-        threads = [threading.Thread(target=self._connect, args=(peer, ch), daemon=True,
-                                    name=f"hora-tcp-connect-{peer}") for peer, ch in self.outgoing]
-        for thread in threads:
-            thread.start()
-        wanted = self.incoming | set(self.outgoing)
-        poller = select.poll()
-        poller.register(self.listener, _POLLIN)
-        poller.register(self.wake_r, _POLLIN)
-        try:
-            while True:
-                with self.lock:
-                    if wanted <= self.conns.keys():
-                        break
-                if not self.errors.empty():
-                    raise self.errors.get()
-                left = self.deadline - time.monotonic()
-                if left <= 0:
-                    raise self._timeout(wanted)
-                for fd, _ in poller.poll(left * 1000):
-                    if fd == self.wake_r.fileno():
-                        self.wake_r.recv(4096)
-                    else:
-                        self._accept()
-        except BaseException:
-            with self.lock:
-                self.done = True
-                for sock in self.conns.values():
-                    sock.close()
-            raise
-        with self.lock:
-            self.done = True
-        for thread in threads:
-            thread.join(timeout=1.0)
-        try:  # leave the pair empty for the transport's wake()
-            while self.wake_r.recv(4096, socket.MSG_DONTWAIT):
-                pass
-        except (BlockingIOError, OSError):
-            pass
-        data = {p: s for (p, ch), s in self.conns.items() if ch == DATA}
-        control = {p: s for (p, ch), s in self.conns.items() if ch == CONTROL}
-        return data, control
-
-    def _timeout(self, wanted: set[tuple[int, int]]) -> BaseException:
-        with self.lock:
-            missing = sorted(wanted - self.conns.keys())
-        inbound = sorted({p for p, ch in missing if (p, ch) in self.incoming})
-        outbound = sorted({p for p, ch in missing if (p, ch) not in self.incoming})
-        parts = []
-        if inbound:
-            parts.append(f"ranks {inbound} never connected to it")
-        if outbound:
-            parts.append(f"it could not finish connecting to ranks {outbound}")
-        return HoraTimeoutError(
-            f"rank {self.rank}: TCP mesh set-up did not finish in time: {'; '.join(parts)}. They "
-            "may have crashed, be unable to reach this host (firewall, wrong interface: set "
-            "HORA_GLOO_IFACE), or be slow; see their output. " + _TIMEOUT_HINT
-        )
-
-    def _accept(self) -> None:
-        try:
-            sock, addr = self.listener.accept()
-        except OSError:
-            return
-        threading.Thread(target=self._handshake_in, args=(sock, addr), daemon=True,
-                         name="hora-tcp-accept").start()
-
-    def _handshake_in(self, sock: socket.socket, addr: Any) -> None:
-        where = f"{addr[0]}:{addr[1]}"
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            auth.server_handshake(sock, self.secret, self.deadline, self.context)
-            magic, peer, size, channel = _HELLO.unpack(
-                recv_bytes(sock, _HELLO.size, self.deadline))
-            key = (peer, channel)
-            problem = ""
-            if magic != _HELLO_MAGIC:
-                problem = "bad hello"
-            elif size != self.size:
-                problem = f"it is in a {size}-rank job, this rank in a {self.size}-rank job"
-            elif key not in self.incoming:
-                problem = f"unexpected {_CHANNEL_NAMES.get(channel, channel)} connection"
-            elif key in self.conns:
-                problem = "duplicate connection"
-            if problem:
-                send_all(sock, _REJECT, self.deadline)
-                raise TransportError(f"rank {peer} from {where}: {problem}")
-            send_all(sock, _ACCEPT, self.deadline)
-        except (AuthenticationError, TransportError) as exc:
-            log.warning("rank %d refused a connection during TCP set-up: %s", self.rank, exc)
-            sock.close()
-            return
-        except (OSError, EOFError) as exc:
-            log.warning("rank %d dropped a connection from %s during TCP set-up: %s",
-                        self.rank, where, exc)
-            sock.close()
-            return
-        self.offer(key, sock)
-
-    def _connect(self, peer: int, channel: int) -> None:
-        entry = self.entries[peer]
-        address = (str(entry["host"]), int(entry["port"]))
-        delay, last = 0.01, None
-        while True:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                self.errors.put(TransportError(
-                    f"rank {self.rank} could not connect to {self.describe(peer)} at "
-                    f"{address[0]}:{address[1]}: {last}. HINT: the peer may have exited, or its "
-                    "address is not reachable from this host (set HORA_GLOO_IFACE)."))
-                self._poke()
-                return
-            with self.lock:
-                if self.done:
-                    return
-            try:
-                sock = socket.create_connection(address, timeout=left)
-                break
-            except OSError as exc:
-                last = exc
-                time.sleep(min(delay, max(0.0, self.deadline - time.monotonic())))
-                delay = min(2 * delay, 0.25)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            auth.client_handshake(sock, self.secret, self.deadline, self.context)
-            send_all(sock, _HELLO.pack(_HELLO_MAGIC, self.rank, self.size, channel),
-                     self.deadline)
-            verdict = recv_bytes(sock, 1, self.deadline)
-            if verdict != _ACCEPT:
-                raise TransportError(
-                    f"{self.describe(peer)} refused this rank's {_CHANNEL_NAMES[channel]} "
-                    "connection (duplicate rank? two jobs sharing a scope?)")
-        except AuthenticationError as exc:
-            sock.close()
-            self.errors.put(AuthenticationError(
-                f"rank {self.rank} could not authenticate with {self.describe(peer)}: {exc}"))
-            self._poke()
-            return
-        except TimeoutError:
-            sock.close()
-            self.errors.put(HoraTimeoutError(
-                f"rank {self.rank}: {self.describe(peer)} accepted the connection but did not "
-                f"complete the handshake in time; it may be stuck. {_TIMEOUT_HINT}"))
-            self._poke()
-            return
-        except (TransportError, OSError, EOFError) as exc:
-            sock.close()
-            self.errors.put(exc if isinstance(exc, TransportError) else TransportError(
-                f"rank {self.rank} lost its new connection to {self.describe(peer)} during "
-                f"set-up ({exc}): {_LOST_HINT}"))
-            self._poke()
-            return
-        self.offer((peer, channel), sock)
 
 
 __all__ = ["SEND_CHUNK", "TcpTransport"]
