@@ -160,12 +160,9 @@ class Engine:
         """Engine thread, before a negotiated allreduce runs: open the set's lane, learn it."""
         lane = self._lanes.get(resp.set_id)
         if lane is None and route.lane_group is not None:
-            executor = Executor(self.transport.comm(), self.registry, self.config,
-                                hostnames=self._hostnames, job_id=self._job_id)
             with self._lane_lock:  # allreduces submitted before now were not logged: the
                 # lane counts them as misses, so position n stays the n-th allreduce everywhere
-                lane = FastLane(resp.set_id, route, self.config, executor, self._requeue,
-                                self._lane_failed, start=self._allreduces.get(resp.set_id, 0))
+                lane = self._new_lane(resp.set_id, route, self._allreduces.get(resp.set_id, 0))
                 if resp.set_id in self._joining:  # joined before its lane existed: it logs
                     lane.close_log()  # nothing, so the others must not wait for it
                 self._lanes[resp.set_id] = lane
@@ -174,6 +171,13 @@ class Engine:
             lane.start()
         if lane is not None:
             lane.learn(resp)
+
+    def _new_lane(self, set_id: int, route: Route, start: int) -> FastLane:
+        """A lane over ``route.lane_group`` with its own executor (not started)."""
+        executor = Executor(self.transport.comm(), self.registry, self.config,
+                            hostnames=self._hostnames, job_id=self._job_id)
+        return FastLane(set_id, route, self.config, executor, self._requeue, self._lane_failed,
+                        start=start)
 
     def _reopen_lane(self, set_id: int) -> None:
         """Every member joined (each closed its log and flushed it): start a fresh lane.
@@ -190,10 +194,7 @@ class Engine:
         old.stop()
         if not route.renew_lane_group(self._job_id):
             return
-        lane = FastLane(set_id, route, self.config,
-                        Executor(self.transport.comm(), self.registry, self.config,
-                                 hostnames=self._hostnames, job_id=self._job_id),
-                        self._requeue, self._lane_failed)
+        lane = self._new_lane(set_id, route, 0)
         lane.adopt_cache(old)
         with self._lane_lock:  # every member starts its new log at position 0 here
             self._lanes[set_id] = lane
