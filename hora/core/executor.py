@@ -274,7 +274,7 @@ class Executor:
         buf = x.reshape(-1).copy()
         scale_inplace(buf, resp.prescale)
         out = np.empty((rows[comm.rank],) + tuple(x.shape[1:]), dtype=x.dtype)
-        route.reducescatter(buf, [r * row for r in rows], ReduceOp(resp.op), out.reshape(-1),
+        route.reducescatter(buf, [r * row for r in rows], _OPS[resp.op], out.reshape(-1),
                             self._scratch_for(buf))
         postscale = resp.postscale / (comm.size if resp.op == ReduceOp.Average else 1)
         scale_inplace(out, postscale)

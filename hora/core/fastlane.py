@@ -283,20 +283,15 @@ class FastLane:
         self._closed = True
         self._own[_OFF_AT] = (self._count + 1) & _MASK  # 0 means open
 
-    def flush(self, timeout: float | None = None) -> None:
-        """Wait until every op this rank logged has run or been handed to the negotiated path."""
-        end = None if timeout is None else time.monotonic() + timeout
-        while self._consumed < self._count and self._error is None and not self._stop:
-            if end is not None and time.monotonic() > end:
-                raise HoraInternalError(
-                    f"fast lane of process set {self.set_id}: ops still pending after "
-                    f"{timeout} s (another rank has not submitted them)")
-            if self._drive_lock.acquire(timeout=BUSY_SLICE_S):
-                try:
-                    self._step()
-                finally:
-                    self._drive_lock.release()
-                self._sleep(BUSY_SLICE_S)
+    def flush(self) -> None:
+        """Wait until every op this rank logged has run or been handed to the negotiated path
+        (the caller drives the lane meanwhile). Bounded: a position some member never logs is
+        decided OFF after the stall time."""
+        def flushed() -> bool:
+            return self._consumed >= self._count
+
+        while not flushed() and self._error is None and not self._stop:
+            self._drive(flushed, None)
         if self._error is not None:
             raise type(self._error)(str(self._error))
 
@@ -355,9 +350,6 @@ class FastLane:
                 or ((self._boards[0][_DECISIONS] - self._read) & _MASK) != 0
                 or (self._leader and any(_written(b[_COUNT], self._decided)
                                          for b in self._boards)))
-
-    def _sleep(self, seconds: float) -> None:
-        futex_wait(self._own_lane_bell, self._own[_LANE_BELL], seconds)
 
     def _step(self) -> bool:
         """Decide (leader) and apply decisions; True if anything happened."""
