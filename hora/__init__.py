@@ -331,3 +331,14 @@ __all__ = [
     "stop_timeline",
     "synchronize",
 ]
+
+
+def run(*args: Any, **kwargs: Any) -> list[Any]:
+    """Horovod's ``horovod.run``: run a function in ``np`` new ranks, return their results in
+    rank order. See :func:`hora.runner.api.run` (imported on first use)."""
+    from hora.runner.api import run as _run
+
+    return _run(*args, **kwargs)
+
+
+__all__ += ["run"]

@@ -112,6 +112,11 @@ KNOBS: tuple[Knob, ...] = (
     _k("stall_shutdown_time_seconds", float, 600.0, "--stall-check-shutdown-time-seconds",
        "Fail a stalled op on every rank after this many seconds (0 = never, Horovod's default; "
        "hora's is 600: see docs/faults.md)."),
+    _k("deadlock_time_seconds", float, 1.0, "--deadlock-time-seconds",
+       "hora-only: when every rank has been blocked in a wait (synchronize, barrier, join, a "
+       "sync op) for this long and none of their ops can complete, fail those ops on every "
+       "rank with a message naming each rank's op. 0 disables (the stall check remains).",
+       alias=False),
     _k("heartbeat_timeout_seconds", float, 30.0, "--heartbeat-timeout-seconds",
        "hora-only: a rank that sends nothing (not even its heartbeat, every quarter of this) "
        "for this long is declared lost: hung, stopped or unreachable. 0 disables.",
@@ -236,6 +241,7 @@ class Config:
     stall_check_disable: bool = False
     stall_check_time_seconds: float = 60.0
     stall_shutdown_time_seconds: float = 600.0
+    deadlock_time_seconds: float = 1.0
     heartbeat_timeout_seconds: float = 30.0
     start_timeout: float = 30.0
     timeline: str = ""

@@ -76,6 +76,11 @@ class RendezvousTimeoutError(RendezvousError, TimeoutError):
     """The rendezvous did not complete before its deadline."""
 
 
+class DeadlockError(HoraInternalError):
+    """Every rank was blocked in a wait and none of their ops could complete (hora-only): the
+    message names each rank's op and the ranks that never submitted it."""
+
+
 class ShutdownError(HoraInternalError):
     """The engine was shut down while the op was pending."""
 
@@ -91,6 +96,7 @@ class HostsUpdatedInterrupt(RuntimeError):
 __all__ = [
     "AuthenticationError",
     "ConfigError",
+    "DeadlockError",
     "HoraError",
     "HoraInternalError",
     "HoraTimeoutError",

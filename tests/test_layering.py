@@ -20,7 +20,8 @@ ALLOWED: dict[str, set[str]] = {
                          "hora.timeline"},
     "hora.runner": BASE | {"hora.runner", "hora.rendezvous", "hora.timeline"},
     "hora.torch": BASE | {"hora.torch", "hora.core", "hora.collectives.ops", "hora"},
-    "hora": BASE | {"hora.core", "hora.collectives.ops"},
+    # hora.run (Horovod's horovod.run) imports the launcher's Python API lazily, on first call.
+    "hora": BASE | {"hora.core", "hora.collectives.ops", "hora.runner.api"},
 }
 
 

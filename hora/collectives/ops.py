@@ -96,18 +96,27 @@ def reduce_inplace(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
 
 
 def scale_inplace(buf: np.ndarray, factor: float) -> None:
-    """Multiply ``buf`` by ``factor`` in its own dtype (integers truncate toward zero).
+    """Multiply ``buf`` by ``factor`` in place, with Horovod's arithmetic.
 
-    Horovod applies pre/postscale factors in the tensor's dtype, so an integer Average truncates:
-    ``int(sum * (1/n))``.
+    * integers: in float64, cast back (truncating toward zero): an integer Average is
+      ``int(sum * (1/n))``;
+    * float16 and bfloat16: in float32, rounded back once (Horovod's CPU kernels; multiplying by
+      a factor first rounded to 16 bits would lose the factor's precision);
+    * other floats: in their own dtype (the factor rounded to it);
+    * bool: only a zero factor changes anything.
     """
     if factor == 1.0 or buf.size == 0:
         return
-    if buf.dtype.kind in "iu":
+    kind = buf.dtype.kind
+    if kind in "iu":
         scaled = np.trunc(buf.astype(np.float64) * factor)
         np.copyto(buf, scaled, casting="unsafe")
-    elif buf.dtype.kind == "b":
+    elif kind == "b":
         if factor == 0:
             buf[...] = False
+    elif buf.dtype.itemsize == 2:  # float16, bfloat16
+        wide = buf.astype(np.float32)
+        np.multiply(wide, np.float32(factor), out=wide)
+        np.copyto(buf, wide, casting="unsafe")
     else:
         np.multiply(buf, np.asarray(factor, dtype=buf.dtype), out=buf)

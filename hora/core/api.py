@@ -67,7 +67,7 @@ def _set_ranks(ctx: context.Context, process_set: ProcessSet) -> tuple[int, list
 
 
 def _full_name(ctx: context.Context, prefix: str, name: str | None, set_id: int) -> str:
-    return f"{prefix}.{name}" if name else f"{prefix}.noname.{ctx.next_id(set_id)}"
+    return ctx.engine.names.name(prefix, name, set_id)
 
 
 def _contiguous(tensor: Any, what: str) -> np.ndarray:
@@ -141,7 +141,7 @@ def grouped_allreduce_async(tensors: Sequence[Any], *, name: str | None = None,
                             inplace: bool = False, device: str = "cpu") -> Handle:
     """Allreduce a list of tensors as one group; resolves to the list of results."""
     ctx = context.get("grouped_allreduce")
-    base = name or f"noname.{ctx.next_id(process_set.process_set_id or 0)}"
+    base = ctx.engine.names.base("grouped_allreduce", name, process_set.process_set_id or 0)
     n = len(tensors)
     members = [allreduce_async(t, name=f"{base}_{i + 1}of{n}", op=op,
                                prescale_factor=prescale_factor, postscale_factor=postscale_factor,
@@ -270,7 +270,7 @@ def grouped_allgather_async(tensors: Sequence[Any], *, name: str | None = None,
     """Allgather each tensor of a list (names ``grouped_allgather.<base>_<i>of<n>``); resolves
     to the list of gathered arrays."""
     ctx = context.get("grouped_allgather")
-    base = name or f"noname.{ctx.next_id(process_set.process_set_id or 0)}"
+    base = ctx.engine.names.base("grouped_allgather", name, process_set.process_set_id or 0)
     n = len(tensors)
     members = [allgather_async(t, name=f"{base}_{i + 1}of{n}", process_set=process_set,
                                prefix="grouped_allgather", device=device)
@@ -286,7 +286,7 @@ def grouped_reducescatter_async(tensors: Sequence[Any], *, name: str | None = No
     """Reducescatter each tensor of a list (names ``grouped_reducescatter.<base>_<i>of<n>``);
     resolves to the list of this rank's shares."""
     ctx = context.get("grouped_reducescatter")
-    base = name or f"noname.{ctx.next_id(process_set.process_set_id or 0)}"
+    base = ctx.engine.names.base("grouped_reducescatter", name, process_set.process_set_id or 0)
     n = len(tensors)
     members = [reducescatter_async(t, name=f"{base}_{i + 1}of{n}", op=op,
                                    prescale_factor=prescale_factor,
@@ -335,7 +335,7 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every member of the set has called ``barrier``."""
     ctx = context.get("barrier")
     set_id, _ = _set_ranks(ctx, process_set)
-    req = Request(name=f"barrier.{ctx.next_id(set_id)}", kind=OpKind.BARRIER, rank=ctx.rank,
+    req = Request(name=_full_name(ctx, "barrier", None, set_id), kind=OpKind.BARRIER, rank=ctx.rank,
                   set_id=set_id)
     _submit(ctx, req, np.empty(0, np.uint8), None).wait()
 
@@ -422,7 +422,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, *, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Pickle ``obj`` on ``root_rank`` and return a copy of it on every member of the set."""
     ctx = context.get("broadcast_object")
-    base = name or f"noname.{ctx.next_id(process_set.process_set_id or 0)}"
+    base = ctx.engine.names.base("broadcast_object", name, process_set.process_set_id or 0)
     payload = np.frombuffer(_dumps(obj), np.uint8) if ctx.rank == root_rank else None
     size = np.array([0 if payload is None else payload.size], dtype=np.int64)
     size = broadcast_async(size, root_rank, name=f"broadcast_object.{base}.size",
@@ -437,7 +437,7 @@ def allgather_object(obj: Any, *, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Pickle ``obj`` on every rank; return the list of all ranks' objects in rank order."""
     ctx = context.get("allgather_object")
-    base = name or f"noname.{ctx.next_id(process_set.process_set_id or 0)}"
+    base = ctx.engine.names.base("allgather_object", name, process_set.process_set_id or 0)
     payload = np.frombuffer(_dumps(obj), np.uint8)
     sizes = allgather_async(np.array([payload.size], np.int64),
                             name=f"allgather_object.{base}.size", process_set=process_set).wait()

@@ -47,19 +47,6 @@ class Context:
     hostnames: list[str]
     handles: HandleTable = field(default_factory=HandleTable)
     closers: list[Any] = field(default_factory=list)
-    _counters: dict[int, int] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def next_id(self, set_id: int = 0) -> int:
-        """A counter per process set for automatic op names.
-
-        Unnamed ops match across ranks when every member issues them in the same order. One
-        counter per set (Horovod has one per process) keeps that true when some ranks also run
-        unnamed ops in sets the others are not in.
-        """
-        with self._lock:
-            self._counters[set_id] = self._counters.get(set_id, 0) + 1
-            return self._counters[set_id]
 
 
 _ctx: Context | None = None

@@ -18,27 +18,32 @@ rank fails with the cause, and rank 0 tells every other rank to do the same.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
 
 from hora._util.log import get_logger
 from hora.config import Config
-from hora.core.coordinator import Coordinator
+from hora.core.coordinator import ERROR_SHUTDOWN, ERROR_STALL, Coordinator
 from hora.core.executor import Entry, Executor
 from hora.core.fastlane import FastLane
+from hora.core.naming import AutoNames
 from hora.core.messages import (
     MSG_ABORT,
     MSG_BYE,
     MSG_HEARTBEAT,
+    MSG_LANE_OFF,
     MSG_REQUESTS,
     MSG_RESPONSES,
     MSG_SHUTDOWN,
+    MSG_WAITS,
     OpKind,
     Request,
     Response,
     decode,
     encode,
+    parse_waits,
 )
 from hora.core.process_set import Registry
 from hora.core.routing import Route
@@ -77,6 +82,7 @@ class Engine:
         self._queue: deque[Entry] = deque()
         self._names: set[tuple[int, str]] = set()
         self._names_lock = threading.Lock()
+        self.names = AutoNames()  # automatic op names (user threads; resynced on errors)
         self._pending: dict[int, dict[str, Entry]] = {}  # set -> name -> op; engine thread only
         self.timeline = Timeline.from_config(config, self.rank)
         self._hostnames, self._job_id = hostnames, job_id
@@ -89,6 +95,7 @@ class Engine:
         self._joining: set[int] = set()  # sets this rank joined (until every member has)
         self._lane_error: BaseException | None = None
         self._coordinator = Coordinator(registry, config) if self.rank == 0 else None
+        self._waits: deque[tuple[bool, int, str, bool]] = deque()  # wait reports to send
         self._stop = threading.Event()
         self._error: HoraInternalError | None = None
         self._departed: set[int] = set()
@@ -119,6 +126,7 @@ class Engine:
                                  "in-flight op a distinct name=)")
             self._names.add(key)
         entry.handle.add_done_callback(lambda _h: self._release(key), early=True)
+        entry.handle.watch = functools.partial(self._watch, entry)
         kind = entry.request.kind
         if kind is OpKind.ALLREDUCE:
             set_id = entry.request.set_id
@@ -140,6 +148,43 @@ class Engine:
                 lane.flush()
         self._queue.append(entry)
         self.transport.wake()
+
+    def _watch(self, entry: Entry, blocked: bool) -> None:
+        """A user thread has waited ``BLOCKED_AFTER_S`` for ``entry`` (``blocked``), or that
+        wait ended: tell the coordinator (through the engine thread, after the requests it
+        has queued, so the coordinator never sees a wait before the op)."""
+        req = entry.request
+        self._waits.append((blocked, req.set_id, req.name, entry.handle.driver is not None))
+        self.transport.wake()
+
+    def _send_waits(self) -> bool:
+        if not self._waits:
+            return False
+        updates = []
+        while self._waits:
+            updates.append(self._waits.popleft())
+        if self._coordinator is not None:
+            for blocked, set_id, name, lane in updates:
+                self._coordinator.waiting(0, blocked, set_id, name, lane)
+        else:
+            self.transport.send_control(0, encode(MSG_WAITS, waits=updates))
+        return True
+
+    def _close_lanes(self, set_ids: list[int]) -> None:
+        """Rank 0: a suspected deadlock involves ops in these sets' fast lanes: every member
+        closes its log, so the lane hands them to the coordinator, which can then judge."""
+        for set_id in set_ids:
+            log.debug("process set %d: closing the fast lane to look for a deadlock", set_id)
+            for peer in self.registry.ranks(set_id) or []:
+                if peer == 0:
+                    self._close_lane(set_id)
+                elif peer not in self._departed:
+                    self.transport.send_control(peer, encode(MSG_LANE_OFF, set=set_id))
+
+    def _close_lane(self, set_id: int) -> None:
+        lane = self._lanes.get(set_id)
+        if lane is not None:
+            lane.close_log()
 
     def _requeue(self, entry: Entry) -> None:
         """The fast lane hands an op back: it is negotiated like any other."""
@@ -229,6 +274,8 @@ class Engine:
     def _run(self) -> None:
         check_every = max(0.5, min(5.0, self.config.stall_check_time_seconds / 4))
         next_check = time.monotonic() + check_every
+        deadlock_every = max(0.02, min(0.1, self.config.deadlock_time_seconds / 8))
+        next_deadlock = 0.0
         try:
             while not self._stop.is_set():
                 if self._lane_error is not None:
@@ -237,18 +284,28 @@ class Engine:
                 self.timeline.mark_cycle()
                 self._heartbeat()
                 busy = self._take_submissions()
+                busy = self._send_waits() or busy
                 busy = self._receive(0.0) or busy
-                if self._coordinator is not None:
-                    if time.monotonic() >= next_check:
-                        next_check = time.monotonic() + check_every
-                        self._dispatch(self._coordinator.check_stalls())
-                    busy = self._dispatch(self._coordinator.ready()) or busy
+                coordinator = self._coordinator
+                if coordinator is not None:
+                    now = time.monotonic()
+                    if now >= next_check:
+                        next_check = now + check_every
+                        self._dispatch(coordinator.check_stalls())
+                    if coordinator.has_waits() and now >= next_deadlock:
+                        next_deadlock = now + deadlock_every
+                        failed, lanes = coordinator.check_deadlocks(now)
+                        self._close_lanes(lanes)
+                        self._dispatch(failed)
+                    busy = self._dispatch(coordinator.ready()) or busy
                 if not busy and not self._stop.is_set():
                     # Nothing to do: sleep until a control message, a submission (wake) or the
                     # next stall check. Whatever arrives is handled on the next pass.
                     wait: float | None = None
-                    if self._coordinator is not None:
-                        due = min(next_check, self._coordinator.next_deadline() or next_check)
+                    if coordinator is not None:
+                        due = min(next_check, coordinator.next_deadline() or next_check)
+                        if coordinator.has_waits():
+                            due = min(due, next_deadlock)
                         wait = max(0.0, due - time.monotonic())
                     if self._hb_timeout > 0:
                         beat = max(0.0, self._last_beat + self._hb_timeout / 4 - time.monotonic())
@@ -364,6 +421,13 @@ class Engine:
             elif kind == MSG_RESPONSES and self._coordinator is None:
                 self._timeline_begin(body["resps"])
                 self._execute(body["resps"])
+            elif kind == MSG_WAITS and self._coordinator is not None:
+                for blocked, set_id, name, lane in parse_waits(body):
+                    self._coordinator.waiting(sender, blocked, set_id, name, lane)
+            elif kind == MSG_LANE_OFF and self._coordinator is None:
+                lane_set = body.get("set")
+                if isinstance(lane_set, int):
+                    self._close_lane(lane_set)
             elif kind == MSG_BYE and self._coordinator is not None:
                 self._departed.add(sender)
                 self._last_heard.pop(sender, None)
@@ -418,6 +482,13 @@ class Engine:
                     lane.stop()
             elif resp.kind is OpKind.JOIN and in_set:
                 self._reopen_lane(resp.set_id)
+            elif resp.kind is OpKind.ERROR and in_set and resp.value not in (ERROR_STALL,
+                                                                             ERROR_SHUTDOWN):
+                for name in resp.names:  # a failed op some members never issued: number
+                    self.names.observe(resp.set_id, name)  # the next one alike everywhere
+                if "join" in resp.names:  # a failed join (deadlock): this rank is back in
+                    with self._lane_lock:
+                        self._joining.discard(resp.set_id)
             if in_set or resp.kind in (OpKind.ADD_PROCESS_SET, OpKind.REMOVE_PROCESS_SET,
                                        OpKind.ERROR):
                 self._executor.execute(resp, self._pending.setdefault(resp.set_id, {}))

@@ -17,12 +17,14 @@ from hora._util.log import get_logger
 from hora.collectives.comm import Comm, SubComm
 from hora.collectives.ops import ReduceOp, scale_inplace, to_dtype
 from hora.config import Config
-from hora.core.coordinator import ERROR_SHUTDOWN, ERROR_STALL
+from hora.core.coordinator import ERROR_DEADLOCK, ERROR_SHUTDOWN, ERROR_STALL
 from hora.core.handle import Handle
 from hora.core.messages import OpKind, Request, Response
 from hora.core.process_set import Registry
 from hora.core.routing import Route, build_route, close_quietly
-from hora.errors import HoraInternalError, HoraTimeoutError, MismatchError, ShutdownError
+from hora.errors import (
+    DeadlockError, HoraInternalError, HoraTimeoutError, MismatchError, ShutdownError,
+)
 from hora.timeline.writer import (
     MEMCPY_IN_FUSION_BUFFER, MEMCPY_OUT_FUSION_BUFFER, Timeline, collective_activity,
 )
@@ -32,7 +34,7 @@ log = get_logger(__name__)
 _OPS = {int(op): op for op in ReduceOp}
 
 _ERROR_TYPES: dict[int, type[HoraInternalError]] = {
-    ERROR_SHUTDOWN: ShutdownError, ERROR_STALL: HoraTimeoutError,
+    ERROR_SHUTDOWN: ShutdownError, ERROR_STALL: HoraTimeoutError, ERROR_DEADLOCK: DeadlockError,
 }
 
 

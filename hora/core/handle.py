@@ -15,6 +15,10 @@ from typing import Any
 from hora.errors import HoraInternalError, HoraTimeoutError
 
 
+BLOCKED_AFTER_S = 0.25
+"""A wait this long makes the waiting rank count as blocked in the op (deadlock detection)."""
+
+
 class Handle:
     """The pending result of one collective.
 
@@ -23,7 +27,7 @@ class Handle:
     """
 
     __slots__ = ("_callbacks", "_done", "_early", "_error", "_gate", "_lock", "_result", "driver",
-                 "name")
+                 "name", "watch")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -37,6 +41,9 @@ class Handle:
         self._lock = threading.Lock()
         # Set while the op is in the fast lane: wait() lends the calling thread to run it.
         self.driver: Callable[[Callable[[], bool], float | None], None] | None = None
+        # Told True when a wait has lasted BLOCKED_AFTER_S, False when that wait ends: the
+        # engine reports blocked ranks to the coordinator, which detects certain deadlocks.
+        self.watch: Callable[[bool], None] | None = None
 
     def done(self) -> bool:
         """True once the op has finished (successfully or not)."""
@@ -45,14 +52,44 @@ class Handle:
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done; return the result or raise the op's error.
 
+        A wait that lasts longer than :data:`BLOCKED_AFTER_S` is reported to the engine (this
+        rank is blocked in this op), so that the coordinator can tell a certain deadlock (every
+        rank blocked, none of their ops able to complete) from a slow rank, and fail it.
+
         Args:
             timeout: seconds to wait, or None for no limit (the engine itself fails every
-                pending op when a peer is lost, so None cannot hang on a dead job).
+                pending op when a peer is lost or the ranks deadlock, so None cannot hang on a
+                dead job).
 
         Raises:
             HoraTimeoutError: ``timeout`` passed first (the op keeps running).
-            HoraInternalError: the op failed (mismatch, lost peer, shutdown).
+            HoraInternalError: the op failed (mismatch, lost peer, deadlock, shutdown).
         """
+        if not self._done:
+            watch = self.watch
+            if watch is None or (timeout is not None and timeout <= BLOCKED_AFTER_S):
+                finished = self._wait_done(timeout)
+            elif self._wait_done(BLOCKED_AFTER_S):
+                finished = True
+            else:
+                watch(True)
+                try:
+                    finished = self._wait_done(None if timeout is None
+                                               else timeout - BLOCKED_AFTER_S)
+                finally:
+                    watch(False)
+            if not finished:
+                raise HoraTimeoutError(
+                    f"op '{self.name}' did not finish within {timeout} s; it is still pending. "
+                    "Are all ranks submitting it? (the stall inspector names missing ranks)"
+                )
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _wait_done(self, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` (None: no limit); True once done. Runs the op on this thread
+        while it is in the fast lane."""
         driver = self.driver
         left = timeout
         if driver is not None and not self._done:
@@ -60,14 +97,7 @@ class Handle:
             driver(self.done, timeout)
             if timeout is not None:
                 left = max(0.0, timeout - (time.monotonic() - start))
-        if not self._done and not self._pass_gate(left):
-            raise HoraTimeoutError(
-                f"op '{self.name}' did not finish within {timeout} s; it is still pending. "
-                "Are all ranks submitting it? (the stall inspector names missing ranks)"
-            )
-        if self._error is not None:
-            raise self._error
-        return self._result
+        return self._done or self._pass_gate(left)
 
     def _pass_gate(self, timeout: float | None) -> bool:
         gate = self._gate

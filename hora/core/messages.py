@@ -86,6 +86,8 @@ MSG_BYE = "bye"        # worker -> coordinator: I am shutting down cleanly
 MSG_ABORT = "abort"    # either way: the job is failing; {"reason": str}
 MSG_SHUTDOWN = "shutdown"  # coordinator -> worker: rank 0 shut down
 MSG_HEARTBEAT = "hb"   # either way: I am alive (sent when idle, every heartbeat_timeout / 4)
+MSG_WAITS = "wait"     # worker -> coordinator: {"waits": [[blocked, set, name, lane], ...]}
+MSG_LANE_OFF = "laneoff"  # coordinator -> worker: {"set": id}: close your fast-lane log
 
 
 _FIELDS: dict[type, tuple[str, ...]] = {
@@ -135,6 +137,30 @@ def decode(data: bytes) -> tuple[str, dict[str, Any]]:
     except (TypeError, ValueError, KeyError) as exc:
         raise ProtocolError(f"malformed {kind!r} control message: {exc}") from None
     return kind, body
+
+
+Wait = tuple[bool, int, str, bool]
+"""(blocked, set id, op name, in the fast lane): a rank started or stopped waiting for an op."""
+
+
+def parse_waits(body: dict[str, Any]) -> list[Wait]:
+    """The wait reports of a :data:`MSG_WAITS` message, type-checked.
+
+    Raises:
+        ProtocolError: malformed.
+    """
+    out: list[Wait] = []
+    try:
+        for item in _list(body["waits"]):
+            blocked, set_id, name, lane = _list(item)
+            if not (isinstance(blocked, bool) and isinstance(set_id, int)
+                    and not isinstance(set_id, bool) and isinstance(name, str)
+                    and isinstance(lane, bool)):
+                raise TypeError("bad field types")
+            out.append((blocked, set_id, name, lane))
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ProtocolError(f"malformed 'wait' control message: {exc}") from None
+    return out
 
 
 def _list(value: Any) -> list[Any]:

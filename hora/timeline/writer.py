@@ -3,9 +3,11 @@
 Observability layer under the engine: the engine's background thread calls the hooks of
 :class:`Timeline` (``negotiate_*``, ``op_start``, ``activity_*``, ``op_end``, ``mark_cycle``);
 each hook only appends a small tuple to a queue (a no-op returning at once when nothing is being
-recorded), and a writer thread turns the queue into JSON and writes it every
-``flush_interval`` seconds. The engine thread never formats, never touches the file and never
-waits for the disk.
+recorded), and a writer thread turns the queue into JSON and writes it: woken when the queue
+stops being empty (so an event is on disk within milliseconds: tools and tests tail the file
+while the job runs), and at least every ``flush_interval`` seconds. While events arrive faster
+than it writes, the writer batches them without further wake-ups. The engine thread never
+formats, never touches the file and never waits for the disk.
 
 File format (Horovod's, opens in Perfetto / ``chrome://tracing``): a JSON array that is valid
 after every flush (the closing ``]`` is rewritten each time), so a job that crashes leaves at
@@ -342,10 +344,14 @@ class _Session:
 
     # engine thread
     def put(self, record: tuple[int, int, str, Any, Any]) -> None:
-        if len(self._queue) >= self._max_pending:
+        queue = self._queue
+        if len(queue) >= self._max_pending:
             self.dropped += 1
             return
-        self._queue.append(record)
+        idle = not queue
+        queue.append(record)
+        if idle:  # the writer writes it now: events reach the file within milliseconds (a
+            self._wake.set()  # busy queue batches by itself while the writer works)
 
     # any thread
     def close(self) -> None:

@@ -64,6 +64,19 @@ def _sparse_param_ids(model: Any) -> set[int]:
     return ids
 
 
+def _zero_missing_grads(optimizer: torch.optim.Optimizer, model: Any) -> None:
+    """Give every trainable parameter without a gradient a zero one, as Horovod's
+    ``broadcast_optimizer_state`` leaves them (code written for Horovod broadcasts or reads
+    ``p.grad`` right after it); ``zero_grad()`` clears them as usual."""
+    sparse_ids = _sparse_param_ids(model)
+    all_sparse = isinstance(optimizer, torch.optim.SparseAdam)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                zeros = torch.zeros_like(p)
+                p.grad = zeros.to_sparse() if all_sparse or id(p) in sparse_ids else zeros
+
+
 def _materialize_state(optimizer: torch.optim.Optimizer, model: Any) -> None:
     """Create the optimizer's state with one step on zero gradients. Unlike Horovod, the
     parameters and gradients are restored afterwards (so weight decay does not move them)."""
@@ -98,7 +111,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                               process_set: ProcessSet = global_process_set) -> None:
     """Make the optimizer's state and hyperparameters equal to ``root_rank``'s, in place.
 
-    Every param-group option (``lr``, ``betas``, ...) takes the root's value. If the root's
+    Every param-group option (``lr``, ``betas``, ...) takes the root's value. As in Horovod, a
+    rank whose optimizer has no state yet leaves a zero gradient on every trainable parameter
+    that had none (``p.grad`` is then a tensor, e.g. for a broadcast). If the root's
     optimizer has no state yet (it has not stepped), every rank's state is left empty, i.e.
     exactly as fresh as the root's; Horovod instead creates state with one step on zero
     gradients, which moves parameters under weight decay and shifts Adam's step count.
@@ -115,6 +130,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     root_has_state = _api.broadcast_object(_has_state(optimizer), root_rank,
                                            name="broadcast_optimizer_state.has_state",
                                            process_set=process_set)
+    if not _has_state(optimizer):
+        _zero_missing_grads(optimizer, model)
     if root_has_state and not _has_state(optimizer):
         _materialize_state(optimizer, model)
     state_dict = optimizer.state_dict()

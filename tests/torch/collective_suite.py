@@ -217,6 +217,59 @@ def _reducescatter_variants(dtype: str) -> Case:
 
 
 # ---- dtype rejection, process sets, control ops ------------------------------------------------
+SCALE = 0.1915194503788923  # not representable in any float type: its rounding shows
+
+
+def _horovod_scaled(values: np.ndarray, dtype: str, factor: float) -> np.ndarray:
+    """Horovod's scaling arithmetic: integers in float64 (truncated back), float16/bfloat16 in
+    float32 (rounded back once), other floats in their own dtype."""
+    from hora.collectives.ops import to_dtype
+
+    kind = to_dtype(dtype)
+    x = values.astype(kind)
+    if kind.kind in "iu":
+        wide = x.astype(np.float64) * factor
+    elif kind.itemsize == 2:
+        wide = x.astype(np.float32) * np.float32(factor)
+    else:
+        wide = x * kind.type(factor)
+    return wide.astype(kind).astype(np.float64)
+
+
+def _scaling(dtype: str) -> Case:
+    """prescale applies to each rank's tensor before the sum, postscale to the sum, in
+    Horovod's arithmetic, for allreduce, reducescatter and their grouped forms: exact results
+    (every rank holds the same values, so the sum's order cannot round differently)."""
+    def case(hvd: Any, f: Factory) -> None:
+        from hora.collectives.ops import to_dtype
+
+        n = hvd.size()
+        base = np.arange(-40, 37, 7, dtype=np.float64).repeat(2).reshape(11, 2)
+        exact = to_dtype(dtype)
+        want = {"prescale": (_horovod_scaled(base, dtype, SCALE) * n).astype(exact)
+                .astype(np.float64),
+                "postscale": _horovod_scaled(base * n, dtype, SCALE)}
+        rows = [len(base) // n + (1 if q < len(base) % n else 0) for q in range(n)]
+        start = sum(rows[:hvd.rank()])
+        mine = slice(start, start + rows[hvd.rank()])
+        for which, expected in want.items():
+            kw = {f"{which}_factor": SCALE}
+            got = {"allreduce": [hvd.allreduce(f.make(base, dtype), op=hvd.Sum, **kw)],
+                   "grouped_allreduce": hvd.grouped_allreduce(
+                       [f.make(base, dtype), f.make(base, dtype)], op=hvd.Sum, **kw),
+                   "reducescatter": [hvd.reducescatter(f.make(base, dtype), op=hvd.Sum, **kw)],
+                   "grouped_reducescatter": hvd.grouped_reducescatter(
+                       [f.make(base, dtype), f.make(base, dtype)], op=hvd.Sum, **kw)}
+            for op_name, results in got.items():
+                part = expected[mine] if "reducescatter" in op_name else expected
+                for t in results:
+                    values = f.values(t)
+                    assert np.array_equal(values, part), (
+                        f"{op_name} {which} {dtype}: got {values.ravel()[:6]} want "
+                        f"{part.ravel()[:6]}")
+    return case
+
+
 def _rejected(family: str, dtype: str) -> Case:
     def case(hvd: Any, f: Factory) -> None:
         x = f.make(np.ones((hvd.size(), 2)), dtype)
@@ -313,6 +366,7 @@ def cases(f: Factory) -> list[tuple[str, Case]]:
         out += [(f"reducescatter-{dtype}-{op}", _reducescatter(dtype, op))
                 for op in ("Sum", "Average")]
         out.append((f"reducescatter_variants-{dtype}", _reducescatter_variants(dtype)))
+        out.append((f"scaling-{dtype}", _scaling(dtype)))
     for dtype in f.move_dtypes:
         out += [(f"allgather-{dtype}", _allgather(dtype)),
                 (f"broadcast-{dtype}", _broadcast(dtype)), (f"alltoall-{dtype}", _alltoall(dtype))]
