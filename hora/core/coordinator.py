@@ -69,7 +69,6 @@ class Coordinator:
         self._waits: dict[int, dict[tuple[int, str], _Wait]] = {}
         self._suspect: tuple[object, ...] | None = None
         self._suspect_since = 0.0
-        self._lanes_closed: set[int] = set()
 
     # ---- input -------------------------------------------------------------------------------
     def add(self, requests: list[Request]) -> None:
@@ -305,8 +304,9 @@ class Coordinator:
         """Fail the ops of ranks that are certainly deadlocked.
 
         Returns the ERROR responses to dispatch and the process sets whose fast lanes must close
-        first (an op waiting in a lane is invisible here; closing the lane hands it over, and a
-        later check decides). A deadlock is declared only once the same ranks have been stuck in
+        first: before a decision, because an op waiting in a lane is invisible here (closing
+        the lane hands it over, and a later check decides); with a decision, because the failed
+        ops leave the members' lane logs out of step. A deadlock is declared only once the same ranks have been stuck in
         the same ops for ``HORA_DEADLOCK_TIME_SECONDS`` less the report delay.
         """
         limit = self._config.deadlock_time_seconds
@@ -324,14 +324,15 @@ class Coordinator:
             return [], []
         hidden = {key[0] for r in stuck for key, w in self._waits[r].items()
                   if w.lane and key[1] != "join" and key not in self._table}
-        if hidden:
-            close = sorted(hidden - self._lanes_closed)
-            self._lanes_closed |= hidden
-            return [], close
+        if hidden:  # (asked again at every check until the ops show up: closing is idempotent)
+            return [], sorted(hidden)
         if now - self._suspect_since < max(0.0, limit - BLOCKED_AFTER_S):
             return [], []
         self._suspect = None
-        return self._declare(stuck, now), []
+        failed = self._declare(stuck, now)
+        # The ranks' fast-lane logs no longer line up (an allreduce some ranks logged failed):
+        # close those lanes before anyone hears of the failure (a completed join reopens them).
+        return failed, sorted({resp.set_id for resp in failed})
 
     def _declare(self, stuck: list[int], now: float) -> list[Response]:
         parts: list[str] = []

@@ -57,6 +57,9 @@ _DUPLICATE = ("Requested to allreduce, allgather, or broadcast a tensor with the
               "another tensor that is currently being processed.")
 
 
+LANE_FLUSH = "<fast lane flush>"
+"""The op name of a wait for this rank's fast-lane log to drain (before a join)."""
+
 ABORT_GATHER_SECONDS = 0.5
 """On a local failure, how long to listen for other ranks' reasons before failing the ops."""
 
@@ -157,6 +160,11 @@ class Engine:
         self._waits.append((blocked, req.set_id, req.name, entry.handle.driver is not None))
         self.transport.wake()
 
+    def _watch_flush(self, set_id: int, blocked: bool) -> None:
+        """A join / remove_process_set waits for this rank's fast-lane log to drain."""
+        self._waits.append((blocked, set_id, LANE_FLUSH, True))
+        self.transport.wake()
+
     def _send_waits(self) -> bool:
         if not self._waits:
             return False
@@ -221,8 +229,10 @@ class Engine:
         """A lane over ``route.lane_group`` with its own executor (not started)."""
         executor = Executor(self.transport.comm(), self.registry, self.config,
                             hostnames=self._hostnames, job_id=self._job_id)
-        return FastLane(set_id, route, self.config, executor, self._requeue, self._lane_failed,
+        lane = FastLane(set_id, route, self.config, executor, self._requeue, self._lane_failed,
                         start=start)
+        lane.on_flush_blocked = functools.partial(self._watch_flush, set_id)
+        return lane
 
     def _reopen_lane(self, set_id: int) -> None:
         """Every member joined (each closed its log and flushed it): start a fresh lane.

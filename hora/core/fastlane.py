@@ -55,6 +55,7 @@ from hora._util.log import get_logger
 from hora.collectives.ops import to_dtype
 from hora.config import Config
 from hora.core.executor import Entry, Executor
+from hora.core.handle import BLOCKED_AFTER_S
 from hora.core.messages import OpKind, Response
 from hora.core.routing import Route
 from hora.errors import HoraError, HoraInternalError, ShutdownError
@@ -183,6 +184,9 @@ class FastLane:
         self._floor = 0  # a lower bound of every member's consumed position
         self._closed = False  # this rank appends no more (join, full, stop)
         self._off = False  # an OFF decision was applied: everything is negotiated
+        # Told True when a flush has waited BLOCKED_AFTER_S, False when it ends (the engine
+        # reports the rank blocked in the lane, for deadlock detection).
+        self.on_flush_blocked: Callable[[bool], None] | None = None
         self._error: BaseException | None = None
         # driving (one driver at a time: the lane thread or a waiting user thread)
         self._drive_lock = threading.Lock()
@@ -285,13 +289,26 @@ class FastLane:
 
     def flush(self) -> None:
         """Wait until every op this rank logged has run or been handed to the negotiated path
-        (the caller drives the lane meanwhile). Bounded: a position some member never logs is
-        decided OFF after the stall time."""
+        (the caller drives the lane meanwhile). Bounded: a flush that lasts
+        ``BLOCKED_AFTER_S`` reports this rank blocked in the lane (:attr:`on_flush_blocked`),
+        so that members which never log the positions it waits for are a deadlock the
+        coordinator resolves in about a second by closing the lane (which hands every logged op
+        to the negotiated path); otherwise the position is decided OFF after the stall time."""
         def flushed() -> bool:
             return self._consumed >= self._count
 
-        while not flushed() and self._error is None and not self._stop:
-            self._drive(flushed, None)
+        reported = False
+        deadline = time.monotonic() + BLOCKED_AFTER_S
+        try:
+            while not flushed() and self._error is None and not self._stop:
+                self._drive(flushed, None if reported else BLOCKED_AFTER_S)
+                if not reported and not flushed() and time.monotonic() >= deadline \
+                        and self.on_flush_blocked is not None:
+                    self.on_flush_blocked(True)
+                    reported = True
+        finally:
+            if reported and self.on_flush_blocked is not None:
+                self.on_flush_blocked(False)
         if self._error is not None:
             raise type(self._error)(str(self._error))
 

@@ -31,10 +31,10 @@ class Job:
 
 
 def run_job(np_: int, *args: str, timeout: float = 60, env: dict[str, str] | None = None,
-            launcher_args: tuple[str, ...] = ()) -> Job:
+            launcher_args: tuple[str, ...] = (), script: str = WORKER) -> Job:
     """`hora run -np N python worker.py ARGS`, killed (whole process group) after ``timeout``."""
     cmd = [sys.executable, "-m", "hora.runner.cli", "run", "-np", str(np_), *launcher_args,
-           sys.executable, WORKER, *args]
+           sys.executable, script, *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})}, start_new_session=True)
     try:

@@ -90,7 +90,9 @@ def broadcast_fresh_optimizer_state(hvd: Any, f: Any) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=0.01 * (r + 1), weight_decay=0.5)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    assert all(p.grad is None for p in model.parameters())
+    # as Horovod: every trainable parameter is left with a zero gradient (code written for
+    # Horovod broadcasts p.grad right after this call)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
     assert not any(opt.state.values()) and opt.param_groups[0]["lr"] == 0.01
     if r == 1:  # rank 1 has state, the root has none: rank 1 becomes fresh
         _, opt = _trained(torch.optim.Adam, seed=3, lr=0.01)
@@ -170,5 +172,33 @@ def sync_batch_norm(hvd: Any, f: Any) -> None:
         assert torch.allclose(sync(x_full[mine]), ref(x_full)[mine], **F64)
 
 
+def optimizer_state_with_none_entries(hvd: Any, f: Any) -> None:
+    """A frozen parameter (no gradient, no state) and state values that are None (SGD without
+    momentum keeps ``momentum_buffer: None``): broadcast_optimizer_state skips and keeps them;
+    the trainable parameter's gradient is a tensor afterwards, so it can be broadcast."""
+    r = hvd.rank()
+    torch.manual_seed(1)
+    frozen = nn.Parameter(torch.tensor([1.0, 3.0]), requires_grad=False)
+    weight = nn.Parameter(torch.rand(4))
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD([frozen, weight], lr=0.001, weight_decay=1e-6, momentum=0.9,
+                        nesterov=True), named_parameters=[("frozen", frozen), ("weight", weight)])
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    grad = hvd.broadcast(weight.grad, root_rank=0)
+    assert frozen.grad is None and torch.equal(grad, weight.grad)
+    plain = torch.optim.SGD([weight], lr=0.1 * (r + 1), momentum=0.9)
+    if r == 0:
+        weight.grad = torch.ones(4)
+        plain.step()
+        plain.state[weight]["no_buffer_yet"] = None  # a None state value
+    hvd.broadcast_optimizer_state(plain, root_rank=0)
+    state = plain.state[weight]
+    assert "no_buffer_yet" in state and state["no_buffer_yet"] is None
+    assert torch.equal(state["momentum_buffer"], torch.ones(4))
+    assert plain.param_groups[0]["lr"] == 0.1
+
+
 CASES = [(fn.__name__, fn) for fn in (broadcast_parameters, broadcast_optimizer_state,
-                                      broadcast_fresh_optimizer_state, objects, sync_batch_norm)]
+                                      broadcast_fresh_optimizer_state,
+                                      optimizer_state_with_none_entries, objects,
+                                      sync_batch_norm)]
