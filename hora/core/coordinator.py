@@ -306,8 +306,9 @@ class Coordinator:
         Returns the ERROR responses to dispatch and the process sets whose fast lanes must close
         first: before a decision, because an op waiting in a lane is invisible here (closing
         the lane hands it over, and a later check decides); with a decision, because the failed
-        ops leave the members' lane logs out of step. A deadlock is declared only once the same ranks have been stuck in
-        the same ops for ``HORA_DEADLOCK_TIME_SECONDS`` less the report delay.
+        ops leave the members' lane logs out of step. A deadlock is declared only once the same
+        ranks have been stuck in the same ops for ``HORA_DEADLOCK_TIME_SECONDS`` less the report
+        delay.
         """
         limit = self._config.deadlock_time_seconds
         if not self._waits or limit <= 0:

@@ -133,6 +133,23 @@ def test_file_is_valid_json_after_every_flush(tmp_path: Path) -> None:
     assert sum(e["ph"] == "B" for e in _load(path)) == 5 * 6
 
 
+def test_events_reach_the_file_at_once_not_at_the_next_interval(tmp_path: Path) -> None:
+    """Tools (and Horovod's test_timeline) read the file while the job runs: an op's events are
+    on disk within milliseconds even with a long flush interval, and then again for later ops
+    after an idle spell."""
+    path = tmp_path / "t.json"
+    tl = Timeline(0, enabled=True, flush_interval=30.0)
+    tl.start(str(path))
+    try:
+        for i in range(3):
+            _one_op(tl, f"allreduce.prompt{i}")
+            _wait_for(path, lambda ev, i=i: any(e.get("args", {}).get("name") ==
+                                                f"allreduce.prompt{i}" for e in ev), timeout=2.0)
+            time.sleep(0.05)  # idle: the writer sleeps until the next event wakes it
+    finally:
+        tl.stop()
+
+
 def test_start_same_path_is_a_no_op_and_new_path_switches(tmp_path: Path) -> None:
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     tl = Timeline(0, enabled=True)
