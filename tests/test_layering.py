@@ -75,3 +75,16 @@ def test_runner_never_imports_the_engine() -> None:
         for _, target in _imports(path):
             assert not target.startswith(("hora.core", "hora.torch", "hora.transports")), (
                 f"{path} imports {target}")
+
+
+def test_the_launcher_loads_neither_the_engine_nor_numpy() -> None:
+    """`import hora` is lazy (PEP 562), so `hora run` starts without the engine's imports."""
+    import subprocess
+    import sys
+
+    code = ("import sys, hora.runner.cli; "
+            "print(sorted(m for m in sys.modules if m.startswith(('hora.core', 'numpy', "
+            "'hora.transports', 'hora._numpy'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.strip()
+    assert out == "[]", out

@@ -55,7 +55,7 @@ def main() -> None:
            lambda: hora.allreduce(x, name="step") if r < 2 else
            hora.broadcast(x, root_rank=1, process_set=PAIR))
     # Not a deadlock: rank 0 computes (not blocked in hora) longer than the deadlock time.
-    report("slow_rank", lambda: (time.sleep(1.5) if r == 0 else None, hora.allreduce(x)))
+    report("slow_rank", lambda: (time.sleep(0.8) if r == 0 else None, hora.allreduce(x)))
     # The error the user does not catch ends the job with a non-zero exit status.
     print("UNCAUGHT", flush=True)
     if r == 0:

@@ -21,7 +21,7 @@ SCRIPT = str(Path(__file__).with_name("compat_worker.py"))
 def test_many_tests_in_one_process_per_rank_in_a_random_order() -> None:
     seed = random.randrange(1 << 30)
     job = run_job(2, str(seed), timeout=120, script=SCRIPT,
-                  env={"HORA_DEADLOCK_TIME_SECONDS": "0.5"})
+                  env={"HORA_DEADLOCK_TIME_SECONDS": "0.3"})
     summaries = [line for line in job.stdout.splitlines() if re.search(r"\d+ passed", line)]
     detail = f"seed {seed}\n{job.stdout[-6000:]}\n{job.stderr[-3000:]}"
     assert job.returncode == 0, detail

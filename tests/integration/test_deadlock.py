@@ -24,7 +24,7 @@ NP = 3
 def job() -> Job:
     # A short deadlock time keeps the job quick; the default (1 s) is measured by the benchmark.
     return run_job(NP, timeout=90, script=SCRIPT,
-                   env={"HORA_DEADLOCK_TIME_SECONDS": "0.5",
+                   env={"HORA_DEADLOCK_TIME_SECONDS": "0.3",
                         "HOROVOD_STALL_CHECK_TIME_SECONDS": "30"})
 
 

@@ -25,7 +25,17 @@ from hora.timeline.writer import (
 
 
 def _load(path: Path) -> list[dict[str, Any]]:
-    data = json.loads(path.read_text())
+    """The file's events. A read that overlaps one of the writer's writes can be torn (the old
+    closing bracket from before the write, the new events after it); the file itself is valid
+    after every write, so a torn read is read again."""
+    for attempt in range(3):
+        try:
+            data = json.loads(path.read_text())
+            break
+        except json.JSONDecodeError:
+            if attempt == 2:
+                raise
+            time.sleep(0.005)
     assert isinstance(data, list)
     return data
 

@@ -1,0 +1,340 @@
+"""The framework-neutral process API and the collectives on numpy arrays: the body of
+:mod:`hora`, which loads this module on first use (so that ``hora run`` and other tools that
+only need the launcher start without the engine and numpy).
+
+Framework adapters (``hora.torch``, ...) expose the same names on their tensor types. Every
+collective must be called by all ranks of its process set with the same name, dtype and shape
+rules; see :mod:`hora.core.api` for the shared contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from hora.collectives.ops import (
+    SUPPORTED_DTYPES,
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    ReduceOp,
+    Sum,
+)
+from hora.core import api as _api
+from hora.core import context as _context
+from hora.core.api import (
+    add_process_set, allgather_object, poll, remove_process_set, synchronize,
+)
+from hora.core.context import init, is_initialized, shutdown
+from hora.core.handle import Handle
+from hora.core.process_set import ProcessSet, global_process_set
+from hora.errors import (
+    HoraError,
+    HoraInternalError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    MismatchError,
+    NotInitializedError,
+)
+
+from hora._version import __version__ as __version__
+
+
+# ---- topology ------------------------------------------------------------------------------
+def rank() -> int:
+    """Global rank of this process (0..size-1)."""
+    return _context.get("rank").rank
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return _context.get("size").size
+
+
+def local_rank() -> int:
+    """Index of this process among the processes on its host."""
+    return _context.get("local_rank").local_rank
+
+
+def local_size() -> int:
+    """Number of processes on this host."""
+    return _context.get("local_size").local_size
+
+
+def cross_rank() -> int:
+    """Index of this host among hosts that have a process with this local rank."""
+    return _context.get("cross_rank").cross_rank
+
+
+def cross_size() -> int:
+    """Number of hosts that have a process with this local rank."""
+    return _context.get("cross_size").cross_size
+
+
+def is_homogeneous() -> bool:
+    """True iff every host runs the same number of processes."""
+    ctx = _context.get("is_homogeneous")
+    counts: dict[str, int] = {}
+    for host in ctx.hostnames:
+        counts[host] = counts.get(host, 0) + 1
+    return len(set(counts.values())) <= 1
+
+
+# ---- capabilities (answered truthfully: hora has its own engine, no MPI/Gloo/NCCL build) ----
+def mpi_built() -> bool:
+    """False: hora is not built against MPI (``mpirun`` can still launch hora jobs)."""
+    return False
+
+
+def mpi_enabled() -> bool:
+    """False: MPI is never hora's controller."""
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    """Raises ValueError, as Horovod does when MPI is not enabled."""
+    raise ValueError("MPI is not enabled: hora uses its own TCP engine (mpi_threads_supported "
+                     "is only meaningful with Horovod's MPI controller).")
+
+
+def gloo_built() -> bool:
+    """False: hora's engine is its own, not Gloo."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """False: hora's engine is its own, not Gloo."""
+    return False
+
+
+def nccl_built() -> int:
+    """0: no NCCL build."""
+    return 0
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing the timeline to ``file_path`` (rank 0); needs HOROVOD_TIMELINE set."""
+    _context.get("start_timeline").engine.timeline.start(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stop writing the timeline and close the file (rank 0)."""
+    _context.get("stop_timeline").engine.timeline.stop()
+
+
+# ---- handles -------------------------------------------------------------------------------
+def _handles() -> Any:
+    return _context.get("handles").handles
+
+
+def _register(h: Handle) -> int:
+    return int(_handles().add(h))
+
+
+# ---- collectives on numpy arrays -------------------------------------------------------------
+def allreduce_async(tensor: Any, average: bool | None = None, name: str | None = None,
+                    op: int | None = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start an allreduce; returns an integer handle for :func:`synchronize`."""
+    return _register(_api.allreduce_async(
+        tensor, name=name, op=_api.resolve_op(op, average), prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor, process_set=process_set))
+
+
+def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
+              op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> Any:
+    """Element-wise reduction across ranks (default op: Average); returns a new array."""
+    return _api.allreduce_async(
+        tensor, name=name, op=_api.resolve_op(op, average), prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor, process_set=process_set, sync=True).wait()
+
+
+def allreduce_(tensor: Any, average: bool | None = None, name: str | None = None,
+               op: int | None = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> Any:
+    """In-place allreduce: the result is written into ``tensor``, which is returned."""
+    return _api.allreduce_async(
+        tensor, name=name, op=_api.resolve_op(op, average), prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor, process_set=process_set, inplace=True,
+        sync=True).wait()
+
+
+def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
+                      name: str | None = None, op: int | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Allreduce a list of arrays together; returns the list of results."""
+    return list(_api.grouped_allreduce_async(
+        tensors, name=name, op=_api.resolve_op(op, average), prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor, process_set=process_set).wait())
+
+
+def allgather(tensor: Any, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> Any:
+    """Concatenate every rank's array along dimension 0 (first dims may differ)."""
+    return _api.allgather_async(tensor, name=name, process_set=process_set).wait()
+
+
+def allgather_async(tensor: Any, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    return _register(_api.allgather_async(tensor, name=name, process_set=process_set))
+
+
+def broadcast(tensor: Any, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> Any:
+    """Return ``root_rank``'s array on every rank."""
+    return _api.broadcast_async(tensor, root_rank, name=name, process_set=process_set).wait()
+
+
+def broadcast_(tensor: Any, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> Any:
+    """In-place broadcast into ``tensor``."""
+    return _api.broadcast_async(tensor, root_rank, name=name, process_set=process_set,
+                                inplace=True).wait()
+
+
+def broadcast_async(tensor: Any, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    return _register(_api.broadcast_async(tensor, root_rank, name=name, process_set=process_set))
+
+
+def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> tuple[Any, Any]:
+    """Scatter rows to every rank by ``splits``; returns ``(received, received_splits)``."""
+    result: tuple[Any, Any] = _api.alltoall_async(tensor, splits, name=name,
+                                                  process_set=process_set).wait()
+    return result
+
+
+def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> int:
+    return _register(_api.alltoall_async(tensor, splits, name=name, process_set=process_set))
+
+
+def reducescatter(tensor: Any, name: str | None = None, op: int | None = None,
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> Any:
+    """Reduce across ranks, then keep this rank's share of dimension 0 (default op Average)."""
+    return _api.reducescatter_async(
+        tensor, name=name, op=_api.resolve_op(op, None), process_set=process_set,
+        prescale_factor=prescale_factor, postscale_factor=postscale_factor).wait()
+
+
+def reducescatter_async(tensor: Any, name: str | None = None, op: int | None = None,
+                        process_set: ProcessSet = global_process_set,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+    return _register(_api.reducescatter_async(
+        tensor, name=name, op=_api.resolve_op(op, None), process_set=process_set,
+        prescale_factor=prescale_factor, postscale_factor=postscale_factor))
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every rank of the set calls barrier."""
+    _api.barrier(process_set)
+
+
+def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
+    """This rank has no more data: contribute zeros until all join; returns the last joiner."""
+    return _api.join(process_set)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Return a copy of ``root_rank``'s picklable object on every rank."""
+    return _api.broadcast_object(obj, root_rank, name=name, process_set=process_set)
+
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "Adasum",
+    "Average",
+    "Handle",
+    "HoraError",
+    "HoraInternalError",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "Max",
+    "Min",
+    "MismatchError",
+    "NotInitializedError",
+    "ProcessSet",
+    "Product",
+    "ReduceOp",
+    "Sum",
+    "add_process_set",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_object",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "grouped_allreduce",
+    "init",
+    "is_homogeneous",
+    "is_initialized",
+    "join",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "poll",
+    "rank",
+    "reducescatter",
+    "reducescatter_async",
+    "remove_process_set",
+    "rocm_built",
+    "shutdown",
+    "size",
+    "start_timeline",
+    "stop_timeline",
+    "synchronize",
+]
+
+
+def run(*args: Any, **kwargs: Any) -> list[Any]:
+    """Horovod's ``horovod.run``: run a function in ``np`` new ranks, return their results in
+    rank order. See :func:`hora.runner.api.run` (imported on first use)."""
+    from hora.runner.api import run as _run
+
+    return _run(*args, **kwargs)
+
+
+__all__ += ["run"]
