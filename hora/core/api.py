@@ -168,6 +168,22 @@ def _join_handles(name: str, members: list[Handle]) -> Handle:
 
     for m in members:
         m.add_done_callback(one_done)
+    reported: list[Callable[[bool], None]] = []
+
+    def watch(blocked: bool) -> None:
+        """A wait on the group is a wait on its first unfinished member (deadlock detection);
+        the member's own watch is kept, since a finished member's handle drops it."""
+        if blocked:
+            for m in members:
+                member_watch = m.watch
+                if not m.done() and member_watch is not None:
+                    reported.append(member_watch)
+                    member_watch(True)
+                    return
+        elif reported:
+            reported.pop()(False)
+
+    group.watch = watch
     return group
 
 

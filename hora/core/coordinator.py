@@ -16,6 +16,7 @@ an op that some other blocked rank never submitted), the blocked ops fail on eve
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -335,6 +336,16 @@ class Coordinator:
         # close those lanes before anyone hears of the failure (a completed join reopens them).
         return failed, sorted({resp.set_id for resp in failed})
 
+    def _group_siblings(self, key: tuple[int, str]) -> list[tuple[int, str]]:
+        """The other pending members of a grouped op (``<base>_<i>of<n>``): a group completes
+        as a whole, so a deadlock in one member fails them all."""
+        match = _GROUP_MEMBER.match(key[1])
+        if match is None:
+            return []
+        base, n = match.group(1), int(match.group(3))
+        return [sibling for i in range(1, n + 1)
+                if (sibling := (key[0], f"{base}_{i}of{n}")) != key and sibling in self._table]
+
     def _declare(self, stuck: list[int], now: float) -> list[Response]:
         parts: list[str] = []
         keys: list[tuple[int, str]] = []
@@ -346,8 +357,9 @@ class Coordinator:
                 where = f" of process set {key[0]}" if key[0] != 0 else ""
                 who = _ranks_text(missing)
                 parts.append(f"rank {rank} waits in {key[1]}{where}, which {who} {verb}")
-                if key not in keys:
-                    keys.append(key)
+                for member in [key, *self._group_siblings(key)]:
+                    if member not in keys:
+                        keys.append(member)
         message = (
             f"Deadlock: ranks {stuck} are all blocked and none of their ops can ever complete: "
             + "; ".join(parts) + f". hora fails these ops on every rank instead of hanging "
@@ -436,6 +448,9 @@ class Coordinator:
 
 
 ERROR_MISMATCH, ERROR_SHUTDOWN, ERROR_STALL, ERROR_DEADLOCK = 0, 1, 2, 3
+
+_GROUP_MEMBER = re.compile(r"^(.*)_(\d+)of(\d+)$")
+"""A member of a grouped op: ``grouped_allreduce.<base>_<i>of<n>`` (hora.core.api)."""
 """Codes carried in an ERROR response's ``value``: which exception type the ranks raise."""
 
 

@@ -28,6 +28,7 @@ from hora.config import Config
 from hora.core.coordinator import ERROR_SHUTDOWN, ERROR_STALL, Coordinator
 from hora.core.executor import Entry, Executor
 from hora.core.fastlane import FastLane
+from hora.core.handle import Handle
 from hora.core.naming import AutoNames
 from hora.core.messages import (
     MSG_ABORT,
@@ -128,7 +129,7 @@ class Engine:
                 raise ValueError(f"{_DUPLICATE} (name: '{entry.request.name}'; give each "
                                  "in-flight op a distinct name=)")
             self._names.add(key)
-        entry.handle.add_done_callback(lambda _h: self._release(key), early=True)
+        entry.handle.add_done_callback(lambda h: self._release(key, h), early=True)
         entry.handle.watch = functools.partial(self._watch, entry)
         kind = entry.request.kind
         if kind is OpKind.ALLREDUCE:
@@ -259,9 +260,10 @@ class Engine:
         """The set's fast lane, if it has one (tests, benchmarks)."""
         return self._lanes.get(set_id)
 
-    def _release(self, key: tuple[int, str]) -> None:
+    def _release(self, key: tuple[int, str], handle: Handle) -> None:
         with self._names_lock:
             self._names.discard(key)
+        handle.watch = None  # (it holds the op's entry; a waiter keeps its own reference)
 
     def data_path(self, set_id: int = 0) -> str | None:
         """The data path the set's collectives use (after its first one), for logs/benchmarks."""

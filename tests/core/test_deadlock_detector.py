@@ -29,6 +29,13 @@ def req(rank: int, name: str, kind: OpKind = OpKind.ALLREDUCE, set_id: int = 0) 
     return Request(name=name, kind=kind, rank=rank, set_id=set_id, dtype="float32", shape=[4])
 
 
+def blocked_in(coord: Coordinator, *ops: tuple[int, str], lane: bool = False) -> None:
+    """Each ``(rank, name)``: the rank submitted allreduce ``name`` and is blocked in it."""
+    for rank, name in ops:
+        coord.add([req(rank, name)])
+        coord.waiting(rank, True, 0, name, lane)
+
+
 def settle(coord: Coordinator, start: float = 100.0) -> tuple[list, list[int]]:
     """First check notes the suspicion; the second, after the settle time, decides."""
     first = coord.check_deadlocks(start)
@@ -54,10 +61,7 @@ def test_ranks_waiting_for_each_others_ops_deadlock_with_a_message_naming_both()
 
 def test_not_declared_before_the_deadlock_time() -> None:
     coord, _ = make(2)
-    coord.add([req(0, "a")])
-    coord.add([req(1, "b")])
-    coord.waiting(0, True, 0, "a", False)
-    coord.waiting(1, True, 0, "b", False)
+    blocked_in(coord, (0, "a"), (1, "b"))
     assert coord.check_deadlocks(10.0) == ([], [])
     assert coord.check_deadlocks(10.0 + SETTLE / 2) == ([], [])
     failed, _ = coord.check_deadlocks(10.0 + SETTLE + 0.01)
@@ -66,19 +70,13 @@ def test_not_declared_before_the_deadlock_time() -> None:
 
 def test_a_rank_that_is_not_blocked_may_still_submit_so_nothing_fails() -> None:
     coord, _ = make(3)
-    coord.add([req(0, "a")])
-    coord.add([req(1, "a")])
-    coord.waiting(0, True, 0, "a", False)
-    coord.waiting(1, True, 0, "a", False)
+    blocked_in(coord, (0, "a"), (1, "a"))
     assert settle(coord) == ([], [])  # rank 2 is computing: it may submit 'a' yet
 
 
 def test_a_released_rank_ends_the_suspicion() -> None:
     coord, _ = make(2)
-    coord.add([req(0, "a")])
-    coord.add([req(1, "b")])
-    coord.waiting(0, True, 0, "a", False)
-    coord.waiting(1, True, 0, "b", False)
+    blocked_in(coord, (0, "a"), (1, "b"))
     assert coord.check_deadlocks(1.0) == ([], [])
     coord.waiting(1, False, 0, "b", False)  # its wait ended (e.g. a timeout it asked for)
     assert coord.check_deadlocks(1.0 + SETTLE + 0.01) == ([], [])
@@ -90,11 +88,8 @@ def test_chain_through_a_process_set_is_followed() -> None:
     """Rank 2 waits on a set whose other member (1) waits on an op rank 2 never submits."""
     coord, reg = make(3)
     pair = reg.register([1, 2])
-    coord.add([req(0, "step")])
-    coord.add([req(1, "step")])
+    blocked_in(coord, (0, "step"), (1, "step"))
     coord.add([req(2, "broadcast.noname.1", OpKind.BROADCAST, set_id=pair)])
-    coord.waiting(0, True, 0, "step", False)
-    coord.waiting(1, True, 0, "step", False)
     coord.waiting(2, True, pair, "broadcast.noname.1", False)
     failed, _ = settle(coord)
     msg = failed[0].error
@@ -143,10 +138,7 @@ def test_an_op_in_a_fast_lane_closes_the_lane_before_anything_is_declared() -> N
 
 def test_disabled_with_zero() -> None:
     coord, _ = make(2, deadlock_time_seconds=0.0)
-    coord.add([req(0, "a")])
-    coord.add([req(1, "b")])
-    coord.waiting(0, True, 0, "a", False)
-    coord.waiting(1, True, 0, "b", False)
+    blocked_in(coord, (0, "a"), (1, "b"))
     assert coord.check_deadlocks(0.0) == ([], []) and coord.check_deadlocks(99.0) == ([], [])
 
 
@@ -174,3 +166,18 @@ def test_automatic_names_are_counted_per_kind_and_resynced_by_failures() -> None
     assert names.name("allgather", None, 0) == "allgather.noname.7"
     assert names.base("grouped_allreduce", None, 0) == "noname.5"
     assert names.name("allgather", None, 1) == "allgather.noname.1"  # per process set
+
+
+def test_a_deadlocked_grouped_op_fails_as_a_whole() -> None:
+    """The wait on a group reports its first pending member; every pending member fails, or
+    the group would wait for the rest forever."""
+    coord, _ = make(2)
+    coord.add([req(0, "grouped_allreduce.noname.1_1of3"), req(0, "grouped_allreduce.noname.1_2of3"),
+               req(0, "grouped_allreduce.noname.1_3of3")])
+    blocked_in(coord, (1, "allreduce.other"))
+    coord.waiting(0, True, 0, "grouped_allreduce.noname.1_1of3", False)
+    failed, _ = settle(coord)
+    assert sorted(n for r in failed for n in r.names) == [
+        "allreduce.other", "grouped_allreduce.noname.1_1of3", "grouped_allreduce.noname.1_2of3",
+        "grouped_allreduce.noname.1_3of3"]
+    assert coord.pending_names() == []

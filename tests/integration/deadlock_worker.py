@@ -54,6 +54,9 @@ def main() -> None:
     report("subset_never_submits",
            lambda: hora.allreduce(x, name="step") if r < 2 else
            hora.broadcast(x, root_rank=1, process_set=PAIR))
+    # a wait on a grouped op is a wait on its members; all of them fail
+    report("grouped_vs_allreduce",
+           lambda: hora.grouped_allreduce([x, x, x]) if r == 0 else hora.allreduce(x, name="solo"))
     # Not a deadlock: rank 0 computes (not blocked in hora) longer than the deadlock time.
     report("slow_rank", lambda: (time.sleep(0.8) if r == 0 else None, hora.allreduce(x)))
     # The error the user does not catch ends the job with a non-zero exit status.

@@ -78,6 +78,12 @@ def test_subset_that_never_submits(job: Job) -> None:
                     "submitted")
 
 
+def test_grouped_op_vs_allreduce(job: Job) -> None:
+    assert_deadlock(job, "grouped_vs_allreduce",
+                    "rank 0 waits in grouped_allreduce.noname.1_1of3, which ranks [1, 2] never "
+                    "submitted", "rank 1 waits in allreduce.solo")
+
+
 def test_a_rank_still_computing_is_not_a_deadlock(job: Job) -> None:
     assert set(outcomes(job, "slow_rank").values()) == {"ok"}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -20,6 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PY = sys.executable
+FAKE_SSH = str(Path(__file__).with_name("fake_ssh.py"))
+
+
+def fake_ssh_path(directory: Path) -> str:
+    """A PATH whose ``ssh`` is tests/runner/fake_ssh.py (runs the remote command locally)."""
+    bin_dir = directory / "bin"
+    bin_dir.mkdir()
+    wrapper = bin_dir / "ssh"
+    wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(PY)} {shlex.quote(FAKE_SSH)} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return f"{bin_dir}:{clean_env()['PATH']}"
 HARD_TIMEOUT = 30.0
 """No launcher in these tests may run longer than this."""
 

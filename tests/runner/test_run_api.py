@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -27,13 +26,12 @@ import hora
 from hora.runner.api import RankFailedError, RemoteTraceback
 from hora.runner.run_func import SECRET_VAR, STORE_VAR
 
-from .helpers import PY, clean_env
+from .helpers import PY, clean_env, fake_ssh_path
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
-FAKE_SSH = str(Path(__file__).with_name("fake_ssh.py"))
 
 
 def topology_and_sum(scale: float, *, offset: float = 0.0) -> tuple[int, int, list[float]]:
@@ -245,13 +243,8 @@ print("RESULT " + json.dumps(hora.run(where, args=("hi-7f3a",), np=3, hosts="fak
 
 
 def test_ranks_on_other_hosts_over_the_ssh_path(tmp_path: Path) -> None:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    wrapper = bin_dir / "ssh"
-    wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(PY)} {shlex.quote(FAKE_SSH)} \"$@\"\n")
-    wrapper.chmod(0o755)
     log = tmp_path / "ssh.log"
-    env = clean_env(PATH=f"{bin_dir}:{clean_env()['PATH']}", FAKE_SSH_LOG=str(log))
+    env = clean_env(PATH=fake_ssh_path(tmp_path), FAKE_SSH_LOG=str(log))
     proc = subprocess.run([PY, "-c", REMOTE_SCRIPT], capture_output=True, text=True, env=env,
                           timeout=25, start_new_session=True)
     assert proc.returncode == 0, proc.stderr

@@ -22,13 +22,12 @@ from hora.errors import ConfigError
 from hora.runner import network, ssh
 from hora.runner.hosts import HostSlots, assign_hosts, parse_hostfile, parse_hosts
 
-from .helpers import PY, Launcher, Result, alive, clean_env, wait_dead
+from .helpers import PY, Launcher, Result, alive, clean_env, fake_ssh_path, wait_dead
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="reads /proc to check pids")
 
 WORKER = str(Path(__file__).with_name("multihost_worker.py"))
-FAKE_SSH = str(Path(__file__).with_name("fake_ssh.py"))
 
 PRELUDE = """\
 import sys
@@ -49,12 +48,7 @@ sys.exit(main(sys.argv[1:]))
 @pytest.fixture()
 def fake_path(tmp_path: Path) -> str:
     """A PATH whose ``ssh`` is the fake."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    wrapper = bin_dir / "ssh"
-    wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(PY)} {shlex.quote(FAKE_SSH)} \"$@\"\n")
-    wrapper.chmod(0o755)
-    return f"{bin_dir}:{clean_env()['PATH']}"
+    return fake_ssh_path(tmp_path)
 
 
 def launcher(fake_path: str, *args: str, grace: float = 0.0, cwd: Path | None = None,
