@@ -27,11 +27,10 @@ remote hosts' pre-start check (a connection back to the same address) already co
 from __future__ import annotations
 
 import os
-import re
 import secrets
+import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from hora._util.net import interface_names, local_hostname
@@ -42,20 +41,13 @@ from hora.runner import launch as _launch
 from hora.runner import run_func as _proto
 from hora.runner import ssh
 from hora.runner.hosts import HostSlots, assign_hosts, parse_hostfile, parse_hosts
+from hora.runner.failures import WorkerFailure, signal_name
 from hora.runner.local import CONSOLE, Console
 
 RANK_MODULE = "hora.runner.run_func"
 """The module every rank runs (``python -m``)."""
 
 _ELASTIC = ("min_np", "max_np", "slots", "reset_limit")
-
-# The supervisor's one-line description of the first failed rank (hora.runner.failures
-# WorkerFailure.describe(), followed by "; stopping ..."), and its start failures.
-_FAILURE = re.compile(r"^(rank (\d+) of \d+ on \S+ (?:exited with code (-?\d+)|"
-                      r"was killed by signal \S+ \((\d+)\)))")
-_START_FAILURE = re.compile(r"^cannot start rank (\d+): ")
-_INTERRUPT = re.compile(r"^received (SIG[A-Z]+|signal \d+); stopping")
-
 
 class RemoteTraceback(Exception):
     """The traceback of an exception raised in a rank, attached as ``__cause__`` of the
@@ -93,12 +85,15 @@ class RankFailedError(RuntimeError):
 
 
 class _WatchingConsole(Console):
-    """The launcher's console, also remembering its ``[hora]`` messages (which rank failed)."""
+    """The launcher's console, also remembering which rank failed first and any interrupt
+    (the launcher's structured events)."""
 
     def __init__(self, parent: Console) -> None:
         super().__init__()
         self._parent = parent
         self.messages: list[str] = []
+        self.failure: WorkerFailure | None = None
+        self.signum: int | None = None
 
     def write(self, stream: str, text: str) -> bool:
         return self._parent.write(stream, text)
@@ -107,34 +102,13 @@ class _WatchingConsole(Console):
         self.messages.append(message)
         self._parent.say(message)
 
+    def rank_failed(self, failure: WorkerFailure) -> None:
+        if self.failure is None:
+            self.failure = failure
 
-@dataclass(frozen=True)
-class _FirstFailure:
-    rank: int
-    description: str
-    exit_status: int
-
-
-def _first_failure(messages: Sequence[str]) -> _FirstFailure | None:
-    for message in messages:
-        line = message.splitlines()[0] if message else ""
-        match = _FAILURE.match(line)
-        if match:
-            code = match.group(3)
-            status = int(code) if code is not None else 128 + int(match.group(4))
-            return _FirstFailure(int(match.group(2)), match.group(1), status)
-        start = _START_FAILURE.match(line)
-        if start:
-            return _FirstFailure(int(start.group(1)), line, 127)
-    return None
-
-
-def _interrupt(messages: Sequence[str]) -> str | None:
-    for message in messages:
-        match = _INTERRUPT.match(message)
-        if match:
-            return match.group(1)
-    return None
+    def interrupted(self, signum: int) -> None:
+        if self.signum is None:
+            self.signum = signum
 
 
 # ---- arguments -> LaunchSpec ------------------------------------------------------------------
@@ -265,7 +239,7 @@ def _raise_error(client: KVStoreClient, record: dict[str, Any], np: int) -> None
 
 
 def _outcome(client: KVStoreClient, np: int, status: int,
-             messages: Sequence[str]) -> list[Any]:
+             console: _WatchingConsole) -> list[Any]:
     records = _read_records(client, np)
     failures = {r: rec for r, rec in records.items() if rec.get("kind") in ("error", "exit")}
     # The root cause: a rank that the launcher saw fail first without storing a record died
@@ -273,11 +247,10 @@ def _outcome(client: KVStoreClient, np: int, status: int,
     # record stored first: a rank stores its exception (or its sys.exit) before it starts
     # exiting, so what it causes elsewhere (a peer's ShutdownError or PeerLostError) is stored
     # later, even when that peer's process exits first.
-    first = _first_failure(messages)
+    first = console.failure
     if first is not None and first.rank not in failures:
-        suffix = "" if first.description.startswith("cannot start") else (
-            " without returning a result")
-        raise RankFailedError(f"hora.run: {first.description}{suffix}", rank=first.rank,
+        suffix = "" if first.start_error else " without returning a result"
+        raise RankFailedError(f"hora.run: {first.describe()}{suffix}", rank=first.rank,
                               exit_status=first.exit_status)
     if failures:
         earliest = min(failures.values(), key=lambda rec: int(rec.get("seq", 0)))
@@ -285,13 +258,12 @@ def _outcome(client: KVStoreClient, np: int, status: int,
             _raise_error(client, earliest, np)
         _raise_exit(earliest, np)
     if status != 0:
-        signal_name = _interrupt(messages)
-        if signal_name == "SIGINT":
+        if console.signum == signal.SIGINT:
             raise KeyboardInterrupt("hora.run: interrupted; every rank was stopped")
-        if signal_name is not None:
-            raise RankFailedError(f"hora.run: received {signal_name}; every rank was stopped",
-                                  exit_status=status)
-        last = messages[-1] if messages else "no message"
+        if console.signum is not None:
+            raise RankFailedError(f"hora.run: received {signal_name(console.signum)}; every "
+                                  "rank was stopped", exit_status=status)
+        last = console.messages[-1] if console.messages else "no message"
         raise RankFailedError(f"hora.run: the job failed with exit status {status} ({last})",
                               exit_status=status)
     results: list[Any] = []
@@ -407,7 +379,7 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (),
             environ = {**_environ(), _proto.STORE_VAR: f"{server.host}:{server.port}",
                        _proto.SECRET_VAR: secret.hex()}
             status = _launch.launch(spec, environ=environ, console=console)
-            return _outcome(client, np, status, console.messages)
+            return _outcome(client, np, status, console)
 
 
 __all__ = ["RANK_MODULE", "RankFailedError", "RemoteTraceback", "run"]

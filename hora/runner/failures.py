@@ -44,6 +44,7 @@ class WorkerFailure:
         hostname: host identity the worker was started with (``HOROVOD_HOSTNAME``).
         returncode: :class:`subprocess.Popen` style: ``>0`` exit code, ``<0`` killed by signal.
         stderr_tail: the last lines the worker wrote to stderr (oldest first).
+        start_error: why the worker could not be started, if it could not.
     """
 
     rank: int
@@ -51,6 +52,7 @@ class WorkerFailure:
     hostname: str
     returncode: int
     stderr_tail: tuple[str, ...] = ()
+    start_error: str = ""  # set when the process could not even start (its message)
 
     @property
     def signal(self) -> int | None:
@@ -64,6 +66,8 @@ class WorkerFailure:
 
     def describe(self) -> str:
         """One line: ``rank 1 of 4 on localhost exited with code 3``."""
+        if self.start_error:
+            return self.start_error
         where = f"rank {self.rank} of {self.size} on {self.hostname}"
         sig = self.signal
         if sig is None:

@@ -99,6 +99,14 @@ class Console:
         """A launcher message: each line on stderr, prefixed ``[hora]``."""
         self.write("stderr", "".join(f"[hora] {line}\n" for line in message.splitlines()))
 
+    # Structured events, besides the messages: the base console ignores them; API callers
+    # (hora.run) subclass it to learn what happened without parsing text.
+    def rank_failed(self, failure: WorkerFailure) -> None:
+        """The first rank that failed (exited non-zero, killed, or could not start)."""
+
+    def interrupted(self, signum: int) -> None:
+        """The launcher received ``signum`` and stopped every rank."""
+
 
 CONSOLE = Console()
 
@@ -351,10 +359,14 @@ class _Supervisor:
                 for copy in copies.values():
                     if copy is not None:
                         copy.close()
-                self._console.say(
-                    f"cannot start rank {launch.slot.rank}: {argv[0]!r}: "
-                    f"{exc.strerror or exc}")
-                return 127 if isinstance(exc, FileNotFoundError) else 126
+                message = (f"cannot start rank {launch.slot.rank}: {argv[0]!r}: "
+                           f"{exc.strerror or exc}")
+                self._console.say(message)
+                code = 127 if isinstance(exc, FileNotFoundError) else 126
+                self._console.rank_failed(WorkerFailure(
+                    rank=launch.slot.rank, size=len(self._ranks), hostname=launch.slot.hostname,
+                    returncode=code, start_error=message))
+                return code
             worker = _Worker(slot=launch.slot, proc=proc)
             self._workers.append(worker)
             self._start_relays(worker, copies)
@@ -419,6 +431,7 @@ class _Supervisor:
                                 hostname=worker.slot.hostname, returncode=code)
         stopping = f"stopping the other {others} rank(s)" if others else "no other rank is running"
         self._console.say(f"{failure.describe()}; {stopping}.")
+        self._console.rank_failed(failure)
         self._stop()
         for relay in worker.relays:
             relay.join(_RELAY_JOIN_S)
@@ -432,6 +445,7 @@ class _Supervisor:
         alive = sum(1 for w in self._workers if w.proc.poll() is None)
         self._console.say(f"received {signal_name(signum)}; stopping {alive} rank(s) "
                           f"(send it again to kill them at once).")
+        self._console.interrupted(signum)
         self._stop()
         return exit_status(-signum)
 
