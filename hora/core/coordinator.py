@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from hora._util.log import get_logger
 from hora.collectives.ops import ReduceOp, to_dtype
 from hora.config import Config
+from hora.core.agreement import fusion_key, request_signature
 from hora.core.handle import BLOCKED_AFTER_S
 from hora.core.messages import OpKind, Request, Response
 from hora.core.process_set import Registry
@@ -210,8 +211,9 @@ class Coordinator:
             return _error(first, f"{_JOIN_UNSUPPORTED[first.kind]} is not supported with Join "
                                  f"at this time (ranks {joined} have joined; op '{name}').")
         resp = Response(kind=first.kind, names=[name], set_id=set_id, dtype=first.dtype,
-                        op=first.op, root=first.root, prescale=first.prescale,
-                        postscale=first.postscale, shapes=[list(first.shape)], joined=joined)
+                        device=first.device, op=first.op, root=first.root,
+                        prescale=first.prescale, postscale=first.postscale,
+                        shapes=[list(first.shape)], joined=joined)
         if first.kind is OpKind.BROADCAST and first.root not in members:
             return _error(first, f"broadcast received invalid root rank {first.root} for "
                                  f"'{name}': it is not a member of process set {set_id} "
@@ -469,16 +471,11 @@ def _fmt(value: object) -> str:
     return str(list(value)) if isinstance(value, (list, tuple)) else str(value)
 
 
-def _signature(r: Request) -> tuple[object, ...]:
-    shape = r.shape if r.kind not in (OpKind.ALLGATHER, OpKind.ALLTOALL) else r.shape[1:]
-    return (r.kind, r.dtype, r.device, tuple(shape), len(r.shape), r.op, r.prescale,
-            r.postscale, r.root)
-
-
 def _validate(name: str, reqs: list[Request]) -> str:
     """Return a mismatch message (identical on every rank) or '' if all requests agree."""
     first = reqs[0]
-    if len(reqs) == 1 or all(_signature(r) == _signature(first) for r in reqs[1:]):
+    mine = request_signature(first)
+    if len(reqs) == 1 or all(request_signature(r) == mine for r in reqs[1:]):
         # The common case: everything that must agree does. Only scalars need a closer look.
         if not (first.kind in (OpKind.ALLGATHER, OpKind.ALLTOALL, OpKind.REDUCESCATTER)
                 and len(first.shape) == 0):
@@ -560,7 +557,7 @@ def _fuse(responses: list[Response], config: Config) -> list[Response]:
             out.append(resp)
             continue
         nbytes = _nelems(resp.shapes[0]) * to_dtype(resp.dtype).itemsize
-        key = (resp.kind, resp.set_id, resp.dtype, resp.op, resp.prescale, resp.postscale)
+        key = fusion_key(resp)
         current = open_.get(key)
         if current is not None and current[1] + nbytes <= limit:
             fused, size = current

@@ -54,6 +54,9 @@ from typing import Any
 from hora._util.log import get_logger
 from hora.collectives.ops import to_dtype
 from hora.config import Config
+from hora.core.agreement import (
+    FusionKey, Signature, fusion_key, request_signature, response_signature,
+)
 from hora.core.executor import Entry, Executor
 from hora.core.handle import BLOCKED_AFTER_S
 from hora.core.messages import OpKind, Response
@@ -101,20 +104,18 @@ _MASK, _HALF = 0xFFFFFFFF, 0x80000000
 
 @dataclass(frozen=True)
 class Slot:
-    """One cached allreduce response."""
+    """One cached allreduce response: a request with the same name and
+    :func:`~hora.core.agreement.signature` is a hit."""
 
     index: int
     name: str
-    dtype: str
+    signature: Signature
     shape: tuple[int, ...]
-    op: int
-    prescale: float
-    postscale: float
     nbytes: int
+    fusion: FusionKey
 
     def fuses_with(self, other: Slot) -> bool:
-        return (self.dtype, self.op, self.prescale, self.postscale) == (
-            other.dtype, other.op, other.prescale, other.postscale)
+        return self.fusion == other.fusion
 
 
 def _written(count: int, position: int) -> bool:
@@ -218,7 +219,8 @@ class FastLane:
         if resp.kind is not OpKind.ALLREDUCE or resp.joined:
             return
         itemsize = to_dtype(resp.dtype).itemsize
-        for name, shape in zip(resp.names, resp.shapes):
+        fusion = fusion_key(resp)
+        for i, (name, shape) in enumerate(zip(resp.names, resp.shapes)):
             nbytes = math.prod(shape) * itemsize
             if nbytes > MAX_BYTES or not self._route.fits(nbytes):
                 continue
@@ -226,8 +228,8 @@ class FastLane:
             if old is None and len(self._slots) >= self._capacity:
                 continue  # full: like Horovod's cache at capacity, new names are negotiated
             index = len(self._slots) if old is None else old.index
-            slot = Slot(index, name, resp.dtype, tuple(shape), resp.op, resp.prescale,
-                        resp.postscale, nbytes)
+            slot = Slot(index, name, response_signature(resp, i), tuple(shape), nbytes,
+                        fusion)
             if old is None:
                 self._slots.append(slot)
             elif old != slot:
@@ -248,9 +250,8 @@ class FastLane:
             if self._closed or self._off:
                 return False
             slot = self._by_name.get(req.name)
-            hit = (slot is not None and slot.dtype == req.dtype and slot.op == req.op
-                   and slot.shape == tuple(req.shape) and slot.prescale == req.prescale
-                   and slot.postscale == req.postscale and entry.output is not None)
+            hit = (slot is not None and entry.output is not None
+                   and slot.signature == request_signature(req))
             count = self._count
             if count - self._floor >= LOG_CAPACITY // 2:  # (a stale floor only over-counts)
                 self._floor = count - self._backlog(count)
@@ -512,10 +513,11 @@ class FastLane:
         resp = self._responses.get(key)
         if resp is None:  # the same batches recur every step: build each response once
             slots = [self._by_name[name] for name in key]
-            first = slots[0]
+            agreed = slots[0].fusion  # every slot of a batch has the same fusion key
             resp = Response(kind=OpKind.ALLREDUCE, names=list(key), set_id=self.set_id,
-                            dtype=first.dtype, op=first.op, prescale=first.prescale,
-                            postscale=first.postscale, shapes=[list(s.shape) for s in slots])
+                            dtype=agreed.dtype, device=agreed.device, op=agreed.op,
+                            prescale=agreed.prescale, postscale=agreed.postscale,
+                            shapes=[list(s.shape) for s in slots])
             if len(self._responses) >= self._capacity:
                 self._responses.clear()
             self._responses[key] = resp

@@ -66,6 +66,7 @@ class Response:
     names: list[str]
     set_id: int = 0
     dtype: str = "uint8"
+    device: str = "cpu"  # the device kind every rank agreed on
     op: int = 1
     root: int = -1
     prescale: float = 1.0

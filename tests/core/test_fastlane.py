@@ -262,6 +262,50 @@ def test_dtype_or_op_change_on_one_rank_is_a_mismatch(world: Any) -> None:
             h.wait(WAIT)
 
 
+@pytest.mark.parametrize("field,value,words", [
+    ("device", "cuda", "CPU/GPU device selection"),
+    ("dtype", "float32", "Mismatched data types"),
+    ("shape", (4,), "tensor shapes"),
+    ("op", AVERAGE, "Mismatched reduction operation"),
+    ("prescale", 2.0, "Mismatched prescale"),
+    ("postscale", 0.5, "Mismatched prescale"),
+])
+def test_any_field_mismatch_on_a_cached_name_fails_as_on_the_negotiated_path(
+        world: Any, field: str, value: Any, words: str) -> None:
+    """One rule decides agreement on both paths (hora.core.agreement): a cached name whose
+    request differs on one rank in any field the coordinator checks (the device included) is
+    negotiated and fails on every rank with the coordinator's text, the same text as for a
+    name that was never cached."""
+    w = world(2)
+
+    def submit_pair(name: str) -> list[str]:
+        kw: list[dict[str, Any]] = [{"op": SUM}, {"op": SUM}]
+        tensors = [np.ones(3), np.ones(3)]
+        if field == "dtype":
+            tensors[1] = np.ones(3, np.float32)
+        elif field == "shape":
+            tensors[1] = np.ones(value)
+        else:
+            kw[1][field] = value
+        hs = [w.submit(r, name, tensors[r], **kw[r]) for r in range(2)]
+        texts = []
+        for h in hs:
+            with pytest.raises(MismatchError, match=words) as info:
+                h.wait(WAIT)
+            texts.append(str(info.value))
+        assert texts[0] == texts[1], texts
+        return texts
+
+    for _ in range(3):
+        _reduce_all(w, "cached", [np.ones(3), np.ones(3)])
+    assert min(_stat(w, "fast_ops")) >= 1
+    cached = submit_pair("cached")
+    fresh = submit_pair("fresh")
+    assert cached[0].replace("'cached'", "'fresh'") == fresh[0]
+    for got in _reduce_all(w, "cached", [np.ones(3), np.ones(3)]):  # the job goes on
+        np.testing.assert_array_equal(got, np.full(3, 2.0))
+
+
 # ---- 4. fusion ---------------------------------------------------------------------------------
 def test_cached_async_ops_are_fused_in_the_lane(world: Any) -> None:
     w = world(2)

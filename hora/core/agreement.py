@@ -1,0 +1,61 @@
+"""One rule for "do these ops agree" and "may these ops fuse", for both paths an op can take.
+
+The coordinator (the negotiated path) checks that every rank's request for a name has the same
+:func:`signature`, and fuses consecutive allreduces whose :func:`fusion_key` is equal. The fast
+lane (the cached path, :mod:`hora.core.fastlane`) treats a new request as a *hit* only if its
+signature equals the cached response's, and fuses cached ops by the same fusion key. So a field
+that must agree on the negotiated path (the device included) can never be skipped by a cached
+name: a request that differs is a miss, negotiated, and fails there with the coordinator's
+message on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from hora.core.messages import OpKind, Request, Response
+
+Signature = tuple[object, ...]
+"""What every rank's request for one name must agree on."""
+
+_FIRST_DIM_FREE = (OpKind.ALLGATHER, OpKind.ALLTOALL)  # dimension 0 may differ across ranks
+
+
+def signature(kind: OpKind, dtype: str, device: str, shape: Sequence[int], op: int,
+              prescale: float, postscale: float, root: int) -> Signature:
+    """The fields that must be equal on every rank (allgather / alltoall: all dimensions but
+    the first)."""
+    dims = tuple(shape[1:]) if kind in _FIRST_DIM_FREE else tuple(shape)
+    return (kind, dtype, device, dims, len(shape), op, prescale, postscale, root)
+
+
+def request_signature(r: Request) -> Signature:
+    """:func:`signature` of one rank's request."""
+    return signature(r.kind, r.dtype, r.device, r.shape, r.op, r.prescale, r.postscale, r.root)
+
+
+def response_signature(resp: Response, index: int = 0) -> Signature:
+    """:func:`signature` of the agreed request behind ``resp.names[index]`` (for the fast
+    lane's cache: a later request is a hit only if its signature equals this)."""
+    return signature(resp.kind, resp.dtype, resp.device, resp.shapes[index], resp.op,
+                     resp.prescale, resp.postscale, resp.root)
+
+
+class FusionKey(NamedTuple):
+    """Allreduces fuse into one buffer only if these are equal: one process set, dtype,
+    device, op and pair of scale factors per collective."""
+
+    kind: OpKind
+    set_id: int
+    dtype: str
+    device: str
+    op: int
+    prescale: float
+    postscale: float
+
+
+def fusion_key(resp: Response) -> FusionKey:
+    """The :class:`FusionKey` of a response."""
+    return FusionKey(resp.kind, resp.set_id, resp.dtype, resp.device, resp.op, resp.prescale,
+                     resp.postscale)
