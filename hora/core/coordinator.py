@@ -9,14 +9,11 @@ threshold. One coordinator serves every process set, so all ranks see responses 
 order and can never execute two sets' collectives in different orders.
 
 The stall inspector lives here too: it names tensors that some ranks submitted and others did not.
-So does the deadlock detector (:meth:`Coordinator.check_deadlocks`): ranks report the ops they
-have been blocked in for a while, and when no blocked rank can ever be released (each waits for
-an op that some other blocked rank never submitted), the blocked ops fail on every rank at once.
+The deadlock detector (:mod:`hora.core.deadlock`) reads the same table.
 """
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -24,8 +21,10 @@ from hora._util.log import get_logger
 from hora.collectives.ops import ReduceOp, to_dtype
 from hora.config import Config
 from hora.core.agreement import fusion_key, request_signature
-from hora.core.handle import BLOCKED_AFTER_S
-from hora.core.messages import OpKind, Request, Response
+from hora.core.deadlock import DeadlockDetector
+from hora.core.messages import (
+    ERROR_MISMATCH, ERROR_SHUTDOWN, ERROR_STALL, OpKind, Request, Response,
+)
 from hora.core.process_set import Registry
 
 log = get_logger(__name__)
@@ -35,14 +34,6 @@ _JOIN_UNSUPPORTED = {
     OpKind.ALLGATHER: "Allgather", OpKind.BROADCAST: "Broadcast",
     OpKind.ALLTOALL: "Alltoall", OpKind.REDUCESCATTER: "Reducescatter",
 }
-
-
-@dataclass
-class _Wait:
-    """A rank blocked in a wait on one op (``count`` threads)."""
-
-    count: int
-    lane: bool  # the op was in the fast lane when the wait began (unknown to the coordinator)
 
 
 @dataclass
@@ -67,10 +58,7 @@ class Coordinator:
         self._ready_keys: list[tuple[int, str]] = []  # complete, in the order they completed
         self._ready_set: set[tuple[int, str]] = set()
         self._hold_until: float | None = None
-        # Deadlock detection: rank -> (set, name) -> wait; a suspected deadlock and since when.
-        self._waits: dict[int, dict[tuple[int, str], _Wait]] = {}
-        self._suspect: tuple[object, ...] | None = None
-        self._suspect_since = 0.0
+        self.deadlocks = DeadlockDetector(registry, config, self)
 
     # ---- input -------------------------------------------------------------------------------
     def add(self, requests: list[Request]) -> None:
@@ -233,154 +221,33 @@ class Coordinator:
             resp.value = first.root
         return resp
 
-    # ---- deadlock detector ---------------------------------------------------------------------
-    def waiting(self, rank: int, blocked: bool, set_id: int, name: str, lane: bool,
-                now: float | None = None) -> None:
-        """``rank`` started (``blocked``) or stopped waiting for op ``name`` of ``set_id``.
-
-        A rank reports a wait only once it has lasted ``BLOCKED_AFTER_S``; its requests travel on
-        the same ordered connection, so any op it submitted before blocking is already here.
-        """
-        ops = self._waits.setdefault(rank, {})
-        key = (set_id, name)
-        wait = ops.get(key)
-        if blocked:
-            if wait is None:
-                ops[key] = _Wait(1, lane)
-            else:
-                wait.count += 1
-        elif wait is not None:
-            wait.count -= 1
-            if wait.count <= 0:
-                del ops[key]
-        if not ops:
-            del self._waits[rank]
-
-    def has_waits(self) -> bool:
-        return bool(self._waits)
-
-    def _missing(self, key: tuple[int, str], rank: int, wait: _Wait,
-                 members: list[int]) -> list[int] | None:
-        """Ranks whose action the op ``key`` (that ``rank`` waits for) still needs; None when
-        unknown here (the op already ran or runs now, or it sits in a fast lane)."""
-        set_id, name = key
-        joined = self._joined.get(set_id, [])
-        if name == "join":
-            return [r for r in members if r not in joined]
+    # ---- what the deadlock detector reads (hora.core.deadlock.PendingOps) -----------------------
+    def submitted(self, key: tuple[int, str]) -> set[int] | None:
+        """Ranks that submitted op ``key`` while it waits for the others; None when it is not
+        waiting here (complete, running, failed, or never seen)."""
         entry = self._table.get(key)
         if entry is None or key in self._ready_set:
             return None
-        return [r for r in members if r not in entry.requests and r not in joined]
+        return set(entry.requests)
 
-    def _stuck(self) -> list[int]:
-        """Blocked ranks that can never be released, given that ranks not blocked may still
-        submit anything: a rank may progress if one of its ops can complete once every rank it
-        needs (its missing ranks) progresses. The rest, if any, are deadlocked."""
-        world = self._registry.ranks(0) or []
-        progress = {r for r in world if r not in self._waits} | set(self._departed)
-        changed = True
-        while changed:
-            changed = False
-            for rank, ops in self._waits.items():
-                if rank in progress:
-                    continue
-                for key, wait in ops.items():
-                    members = self._registry.ranks(key[0])
-                    if members is None:
-                        free = True
-                    else:
-                        missing = self._missing(key, rank, wait, members)
-                        if missing is None and wait.lane:  # in the lane: it needs some member
-                            # not blocked in the same op (optimistic: one that may progress)
-                            others = [r for r in members if r != rank
-                                      and key not in self._waits.get(r, {})]
-                            free = any(r in progress for r in others) or not others
-                        else:
-                            free = missing is None or all(r in progress for r in missing)
-                    if free:
-                        progress.add(rank)
-                        changed = True
-                        break
-        return sorted(r for r in self._waits if r not in progress)
+    def is_pending(self, key: tuple[int, str]) -> bool:
+        return key in self._table
 
-    def check_deadlocks(self, now: float | None = None) -> tuple[list[Response], list[int]]:
-        """Fail the ops of ranks that are certainly deadlocked.
+    def joined(self, set_id: int) -> list[int]:
+        return self._joined.get(set_id, [])
 
-        Returns the ERROR responses to dispatch and the process sets whose fast lanes must close
-        first: before a decision, because an op waiting in a lane is invisible here (closing
-        the lane hands it over, and a later check decides); with a decision, because the failed
-        ops leave the members' lane logs out of step. A deadlock is declared only once the same
-        ranks have been stuck in the same ops for ``HORA_DEADLOCK_TIME_SECONDS`` less the report
-        delay.
-        """
-        limit = self._config.deadlock_time_seconds
-        if not self._waits or limit <= 0:
-            self._suspect = None
-            return [], []
-        now = time.monotonic() if now is None else now
-        stuck = self._stuck()
-        if not stuck:
-            self._suspect = None
-            return [], []
-        signature = tuple((r, tuple(sorted(self._waits[r]))) for r in stuck)
-        if signature != self._suspect:
-            self._suspect, self._suspect_since = signature, now
-            return [], []
-        hidden = {key[0] for r in stuck for key, w in self._waits[r].items()
-                  if w.lane and key[1] != "join" and key not in self._table}
-        if hidden:  # (asked again at every check until the ops show up: closing is idempotent)
-            return [], sorted(hidden)
-        if now - self._suspect_since < max(0.0, limit - BLOCKED_AFTER_S):
-            return [], []
-        self._suspect = None
-        failed = self._declare(stuck, now)
-        # The ranks' fast-lane logs no longer line up (an allreduce some ranks logged failed):
-        # close those lanes before anyone hears of the failure (a completed join reopens them).
-        return failed, sorted({resp.set_id for resp in failed})
+    def departed(self) -> set[int]:
+        return set(self._departed)
 
-    def _group_siblings(self, key: tuple[int, str]) -> list[tuple[int, str]]:
-        """The other pending members of a grouped op (``<base>_<i>of<n>``): a group completes
-        as a whole, so a deadlock in one member fails them all."""
-        match = _GROUP_MEMBER.match(key[1])
-        if match is None:
-            return []
-        base, n = match.group(1), int(match.group(3))
-        return [sibling for i in range(1, n + 1)
-                if (sibling := (key[0], f"{base}_{i}of{n}")) != key and sibling in self._table]
-
-    def _declare(self, stuck: list[int], now: float) -> list[Response]:
-        parts: list[str] = []
-        keys: list[tuple[int, str]] = []
-        for rank in stuck:
-            for key, wait in sorted(self._waits[rank].items()):
-                members = self._registry.ranks(key[0]) or []
-                missing = self._missing(key, rank, wait, members) or []
-                verb = "never joined" if key[1] == "join" else "never submitted"
-                where = f" of process set {key[0]}" if key[0] != 0 else ""
-                who = _ranks_text(missing)
-                parts.append(f"rank {rank} waits in {key[1]}{where}, which {who} {verb}")
-                for member in [key, *self._group_siblings(key)]:
-                    if member not in keys:
-                        keys.append(member)
-        message = (
-            f"Deadlock: ranks {stuck} are all blocked and none of their ops can ever complete: "
-            + "; ".join(parts) + f". hora fails these ops on every rank instead of hanging "
-            f"(HORA_DEADLOCK_TIME_SECONDS={self._config.deadlock_time_seconds:g}). HINT: every "
-            "rank must run the same collectives in the same order; a rank that skipped one (an "
-            "exception it caught, a rank-dependent branch, an early exit from a loop) leaves the "
-            "others waiting.")
-        log.error("%s", message)
-        out: list[Response] = []
-        for set_id, name in keys:
-            if name == "join":
-                self._joined[set_id] = []
-            elif (set_id, name) in self._table:
-                del self._table[(set_id, name)]
-                self._order.remove((set_id, name))
-                self._drop_ready((set_id, name))
-            out.append(Response(kind=OpKind.ERROR, names=[name], set_id=set_id, error=message,
-                                value=ERROR_DEADLOCK))
-        return out
+    def forget(self, key: tuple[int, str]) -> None:
+        """Drop op ``key`` (``join``: every pending join of the set) after it failed."""
+        set_id, name = key
+        if name == "join":
+            self._joined[set_id] = []
+        elif key in self._table:
+            del self._table[key]
+            self._order.remove(key)
+            self._drop_ready(key)
 
     # ---- stall inspector -----------------------------------------------------------------------
     def check_stalls(self, now: float | None = None) -> list[Response]:
@@ -449,22 +316,11 @@ class Coordinator:
         return [name for _, name in self._order]
 
 
-ERROR_MISMATCH, ERROR_SHUTDOWN, ERROR_STALL, ERROR_DEADLOCK = 0, 1, 2, 3
-
-_GROUP_MEMBER = re.compile(r"^(.*)_(\d+)of(\d+)$")
-"""A member of a grouped op: ``grouped_allreduce.<base>_<i>of<n>`` (hora.core.api)."""
-"""Codes carried in an ERROR response's ``value``: which exception type the ranks raise."""
 
 
 def _error(req: Request, message: str, code: int = ERROR_MISMATCH) -> Response:
     return Response(kind=OpKind.ERROR, names=[req.name], set_id=req.set_id, error=message,
                     value=code)
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return f"ranks {ranks}"
 
 
 def _fmt(value: object) -> str:

@@ -25,12 +25,14 @@ from collections import deque
 
 from hora._util.log import get_logger
 from hora.config import Config
-from hora.core.coordinator import ERROR_SHUTDOWN, ERROR_STALL, Coordinator
+from hora.core.coordinator import Coordinator
 from hora.core.executor import Entry, Executor
 from hora.core.fastlane import FastLane
 from hora.core.handle import Handle
 from hora.core.naming import AutoNames
 from hora.core.messages import (
+    ERROR_SHUTDOWN,
+    ERROR_STALL,
     MSG_ABORT,
     MSG_BYE,
     MSG_HEARTBEAT,
@@ -174,7 +176,7 @@ class Engine:
             updates.append(self._waits.popleft())
         if self._coordinator is not None:
             for blocked, set_id, name, lane in updates:
-                self._coordinator.waiting(0, blocked, set_id, name, lane)
+                self._coordinator.deadlocks.waiting(0, blocked, set_id, name, lane)
         else:
             self.transport.send_control(0, encode(MSG_WAITS, waits=updates))
         return True
@@ -304,9 +306,9 @@ class Engine:
                     if now >= next_check:
                         next_check = now + check_every
                         self._dispatch(coordinator.check_stalls())
-                    if coordinator.has_waits() and now >= next_deadlock:
+                    if coordinator.deadlocks.has_waits() and now >= next_deadlock:
                         next_deadlock = now + deadlock_every
-                        failed, lanes = coordinator.check_deadlocks(now)
+                        failed, lanes = coordinator.deadlocks.check(now)
                         self._close_lanes(lanes)
                         self._dispatch(failed)
                     busy = self._dispatch(coordinator.ready()) or busy
@@ -316,7 +318,7 @@ class Engine:
                     wait: float | None = None
                     if coordinator is not None:
                         due = min(next_check, coordinator.next_deadline() or next_check)
-                        if coordinator.has_waits():
+                        if coordinator.deadlocks.has_waits():
                             due = min(due, next_deadlock)
                         wait = max(0.0, due - time.monotonic())
                     if self._hb_timeout > 0:
@@ -435,7 +437,7 @@ class Engine:
                 self._execute(body["resps"])
             elif kind == MSG_WAITS and self._coordinator is not None:
                 for blocked, set_id, name, lane in parse_waits(body):
-                    self._coordinator.waiting(sender, blocked, set_id, name, lane)
+                    self._coordinator.deadlocks.waiting(sender, blocked, set_id, name, lane)
             elif kind == MSG_LANE_OFF and self._coordinator is None:
                 lane_set = body.get("set")
                 if isinstance(lane_set, int):

@@ -17,7 +17,7 @@ from hora._util.log import get_logger
 from hora.collectives.comm import Comm, SubComm
 from hora.collectives.ops import ReduceOp, scale_inplace, to_dtype
 from hora.config import Config
-from hora.core.coordinator import ERROR_DEADLOCK, ERROR_SHUTDOWN, ERROR_STALL
+from hora.core.messages import ERROR_DEADLOCK, ERROR_SHUTDOWN, ERROR_STALL
 from hora.core.handle import Handle
 from hora.core.messages import OpKind, Request, Response
 from hora.core.process_set import Registry

@@ -80,6 +80,9 @@ class Response:
     ranks: list[int] | None = None
 
 
+ERROR_MISMATCH, ERROR_SHUTDOWN, ERROR_STALL, ERROR_DEADLOCK = 0, 1, 2, 3
+"""Codes carried in an ERROR response's ``value``: which exception type the ranks raise."""
+
 # Message types on the control plane.
 MSG_REQUESTS = "req"   # worker -> coordinator: {"reqs": [...]}
 MSG_RESPONSES = "resp"  # coordinator -> worker: {"resps": [...]}

@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 
 from hora.config import Config
-from hora.core.coordinator import ERROR_DEADLOCK, Coordinator
+from hora.core.coordinator import Coordinator
 from hora.core.handle import BLOCKED_AFTER_S
-from hora.core.messages import OpKind, ProtocolError, Request, decode, encode, parse_waits
+from hora.core.messages import (
+    ERROR_DEADLOCK, OpKind, ProtocolError, Request, decode, encode, parse_waits,
+)
 from hora.core.naming import AutoNames
 from hora.core.process_set import Registry
 
@@ -33,22 +35,22 @@ def blocked_in(coord: Coordinator, *ops: tuple[int, str], lane: bool = False) ->
     """Each ``(rank, name)``: the rank submitted allreduce ``name`` and is blocked in it."""
     for rank, name in ops:
         coord.add([req(rank, name)])
-        coord.waiting(rank, True, 0, name, lane)
+        coord.deadlocks.waiting(rank, True, 0, name, lane)
 
 
 def settle(coord: Coordinator, start: float = 100.0) -> tuple[list, list[int]]:
     """First check notes the suspicion; the second, after the settle time, decides."""
-    first = coord.check_deadlocks(start)
+    first = coord.deadlocks.check(start)
     assert first == ([], [])
-    return coord.check_deadlocks(start + SETTLE + 0.01)
+    return coord.deadlocks.check(start + SETTLE + 0.01)
 
 
 def test_ranks_waiting_for_each_others_ops_deadlock_with_a_message_naming_both() -> None:
     coord, _ = make(2)
     coord.add([req(0, "reducescatter.noname.14", OpKind.REDUCESCATTER)])
     coord.add([req(1, "barrier.noname.14", OpKind.BARRIER)])
-    coord.waiting(0, True, 0, "reducescatter.noname.14", False)
-    coord.waiting(1, True, 0, "barrier.noname.14", False)
+    coord.deadlocks.waiting(0, True, 0, "reducescatter.noname.14", False)
+    coord.deadlocks.waiting(1, True, 0, "barrier.noname.14", False)
     failed, lanes = settle(coord)
     assert {r.names[0] for r in failed} == {"reducescatter.noname.14", "barrier.noname.14"}
     assert all(r.kind is OpKind.ERROR and r.value == ERROR_DEADLOCK for r in failed)
@@ -62,9 +64,9 @@ def test_ranks_waiting_for_each_others_ops_deadlock_with_a_message_naming_both()
 def test_not_declared_before_the_deadlock_time() -> None:
     coord, _ = make(2)
     blocked_in(coord, (0, "a"), (1, "b"))
-    assert coord.check_deadlocks(10.0) == ([], [])
-    assert coord.check_deadlocks(10.0 + SETTLE / 2) == ([], [])
-    failed, _ = coord.check_deadlocks(10.0 + SETTLE + 0.01)
+    assert coord.deadlocks.check(10.0) == ([], [])
+    assert coord.deadlocks.check(10.0 + SETTLE / 2) == ([], [])
+    failed, _ = coord.deadlocks.check(10.0 + SETTLE + 0.01)
     assert len(failed) == 2
 
 
@@ -77,11 +79,11 @@ def test_a_rank_that_is_not_blocked_may_still_submit_so_nothing_fails() -> None:
 def test_a_released_rank_ends_the_suspicion() -> None:
     coord, _ = make(2)
     blocked_in(coord, (0, "a"), (1, "b"))
-    assert coord.check_deadlocks(1.0) == ([], [])
-    coord.waiting(1, False, 0, "b", False)  # its wait ended (e.g. a timeout it asked for)
-    assert coord.check_deadlocks(1.0 + SETTLE + 0.01) == ([], [])
-    coord.waiting(1, True, 0, "b", False)  # blocked again: the clock starts over
-    assert coord.check_deadlocks(1.0 + SETTLE + 0.02) == ([], [])
+    assert coord.deadlocks.check(1.0) == ([], [])
+    coord.deadlocks.waiting(1, False, 0, "b", False)  # its wait ended (e.g. a timeout it asked for)
+    assert coord.deadlocks.check(1.0 + SETTLE + 0.01) == ([], [])
+    coord.deadlocks.waiting(1, True, 0, "b", False)  # blocked again: the clock starts over
+    assert coord.deadlocks.check(1.0 + SETTLE + 0.02) == ([], [])
 
 
 def test_chain_through_a_process_set_is_followed() -> None:
@@ -90,7 +92,7 @@ def test_chain_through_a_process_set_is_followed() -> None:
     pair = reg.register([1, 2])
     blocked_in(coord, (0, "step"), (1, "step"))
     coord.add([req(2, "broadcast.noname.1", OpKind.BROADCAST, set_id=pair)])
-    coord.waiting(2, True, pair, "broadcast.noname.1", False)
+    coord.deadlocks.waiting(2, True, pair, "broadcast.noname.1", False)
     failed, _ = settle(coord)
     msg = failed[0].error
     assert "rank 0 waits in step, which rank 2 never submitted" in msg
@@ -102,11 +104,11 @@ def test_join_wait_counts_ranks_that_never_joined() -> None:
     coord, _ = make(2)
     coord.add([req(0, "join", OpKind.JOIN)])
     coord.add([req(1, "x")])
-    coord.waiting(0, True, 0, "join", False)
-    coord.waiting(1, True, 0, "x", False)
+    coord.deadlocks.waiting(0, True, 0, "join", False)
+    coord.deadlocks.waiting(1, True, 0, "x", False)
     # rank 0 joined, so 'x' is complete (rank 0 contributes zeros): not a deadlock
     assert any(r.names == ["x"] for r in coord.ready())
-    coord.waiting(1, False, 0, "x", False)
+    coord.deadlocks.waiting(1, False, 0, "x", False)
     assert settle(coord) == ([], [])  # rank 1 is free to call join
 
 
@@ -116,9 +118,9 @@ def test_join_deadlocks_when_the_others_wait_for_each_other() -> None:
     coord.add([req(0, "join", OpKind.JOIN)])
     coord.add([req(1, "allgather.o.size", OpKind.ALLGATHER, set_id=pair)])
     coord.add([req(2, "barrier.noname.1", OpKind.BARRIER, set_id=pair)])
-    coord.waiting(0, True, 0, "join", False)
-    coord.waiting(1, True, pair, "allgather.o.size", False)
-    coord.waiting(2, True, pair, "barrier.noname.1", False)
+    coord.deadlocks.waiting(0, True, 0, "join", False)
+    coord.deadlocks.waiting(1, True, pair, "allgather.o.size", False)
+    coord.deadlocks.waiting(2, True, pair, "barrier.noname.1", False)
     failed, _ = settle(coord)
     assert "rank 0 waits in join, which ranks [1, 2] never joined" in failed[0].error
     assert ["join"] in [r.names for r in failed]
@@ -127,19 +129,19 @@ def test_join_deadlocks_when_the_others_wait_for_each_other() -> None:
 def test_an_op_in_a_fast_lane_closes_the_lane_before_anything_is_declared() -> None:
     coord, _ = make(2)
     coord.add([req(1, "barrier.noname.3", OpKind.BARRIER)])
-    coord.waiting(0, True, 0, "allreduce.cached", True)  # invisible: in rank 0's lane
-    coord.waiting(1, True, 0, "barrier.noname.3", False)
-    assert coord.check_deadlocks(5.0) == ([], [])
-    assert coord.check_deadlocks(5.0 + SETTLE + 0.01) == ([], [0])  # close set 0's lane
+    coord.deadlocks.waiting(0, True, 0, "allreduce.cached", True)  # invisible: in rank 0's lane
+    coord.deadlocks.waiting(1, True, 0, "barrier.noname.3", False)
+    assert coord.deadlocks.check(5.0) == ([], [])
+    assert coord.deadlocks.check(5.0 + SETTLE + 0.01) == ([], [0])  # close set 0's lane
     coord.add([req(0, "allreduce.cached")])  # the lane handed the op over
-    failed, _ = coord.check_deadlocks(5.0 + 2 * SETTLE + 0.02)
+    failed, _ = coord.deadlocks.check(5.0 + 2 * SETTLE + 0.02)
     assert "rank 0 waits in allreduce.cached, which rank 1 never submitted" in failed[0].error
 
 
 def test_disabled_with_zero() -> None:
     coord, _ = make(2, deadlock_time_seconds=0.0)
     blocked_in(coord, (0, "a"), (1, "b"))
-    assert coord.check_deadlocks(0.0) == ([], []) and coord.check_deadlocks(99.0) == ([], [])
+    assert coord.deadlocks.check(0.0) == ([], []) and coord.deadlocks.check(99.0) == ([], [])
 
 
 def test_wait_reports_travel_and_are_type_checked() -> None:
@@ -175,7 +177,7 @@ def test_a_deadlocked_grouped_op_fails_as_a_whole() -> None:
     coord.add([req(0, "grouped_allreduce.noname.1_1of3"), req(0, "grouped_allreduce.noname.1_2of3"),
                req(0, "grouped_allreduce.noname.1_3of3")])
     blocked_in(coord, (1, "allreduce.other"))
-    coord.waiting(0, True, 0, "grouped_allreduce.noname.1_1of3", False)
+    coord.deadlocks.waiting(0, True, 0, "grouped_allreduce.noname.1_1of3", False)
     failed, _ = settle(coord)
     assert sorted(n for r in failed for n in r.names) == [
         "allreduce.other", "grouped_allreduce.noname.1_1of3", "grouped_allreduce.noname.1_2of3",

@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 
 from hora.collectives.ops import to_dtype
 from hora.config import Config
-from hora.core.coordinator import ERROR_SHUTDOWN, Coordinator
+from hora.core.coordinator import Coordinator
+from hora.core.messages import ERROR_SHUTDOWN
 from hora.core.messages import (
     MSG_REQUESTS,
     MSG_RESPONSES,
