@@ -28,6 +28,7 @@ from hora.config import Config
 from hora.core.coordinator import Coordinator
 from hora.core.executor import Entry, Executor
 from hora.core.fastlane import FastLane
+from hora.core.lanes import Lanes
 from hora.core.handle import Handle
 from hora.core.naming import AutoNames
 from hora.core.messages import (
@@ -95,10 +96,8 @@ class Engine:
         self._executor = Executor(transport.comm(), registry, config, self.timeline,
                                   hostnames=hostnames, job_id=job_id,
                                   on_allreduce=self._on_allreduce)
-        self._lanes: dict[int, FastLane] = {}  # process set -> its fast lane (same host)
-        self._lane_lock = threading.Lock()  # orders allreduce submissions and lane creation
-        self._allreduces: dict[int, int] = {}  # set -> allreduces submitted (lane positions)
-        self._joining: set[int] = set()  # sets this rank joined (until every member has)
+        self._lanes = Lanes(transport, registry, config, hostnames, job_id, self._requeue,
+                            self._lane_failed, self._watch_flush)
         self._lane_error: BaseException | None = None
         self._coordinator = Coordinator(registry, config) if self.rank == 0 else None
         self._waits: deque[tuple[bool, int, str, bool]] = deque()  # wait reports to send
@@ -135,23 +134,12 @@ class Engine:
         entry.handle.watch = functools.partial(self._watch, entry)
         kind = entry.request.kind
         if kind is OpKind.ALLREDUCE:
-            set_id = entry.request.set_id
-            with self._lane_lock:  # the n-th allreduce on a set is at position n in its log
-                self._allreduces[set_id] = self._allreduces.get(set_id, 0) + 1
-                lane = self._lanes.get(set_id)
-                taken = lane is not None and lane.submit(entry)
-            if taken:
+            if self._lanes.take(entry):
                 return  # the fast lane runs it: no negotiation
-        elif kind is OpKind.JOIN or kind is OpKind.REMOVE_PROCESS_SET:
-            # Ops already logged in the lane reach the coordinator before this one does.
-            with self._lane_lock:
-                if kind is OpKind.JOIN:
-                    self._joining.add(entry.request.set_id)
-                lane = self._lanes.get(entry.request.set_id if kind is OpKind.JOIN
-                                       else entry.request.root)
-            if lane is not None:
-                lane.close_log()
-                lane.flush()
+        elif kind is OpKind.JOIN:
+            self._lanes.before_join(kind, entry.request.set_id)
+        elif kind is OpKind.REMOVE_PROCESS_SET:
+            self._lanes.before_join(kind, entry.request.root)
         self._queue.append(entry)
         self.transport.wake()
 
@@ -188,14 +176,9 @@ class Engine:
             log.debug("process set %d: closing the fast lane to look for a deadlock", set_id)
             for peer in self.registry.ranks(set_id) or []:
                 if peer == 0:
-                    self._close_lane(set_id)
+                    self._lanes.close(set_id)
                 elif peer not in self._departed:
                     self.transport.send_control(peer, encode(MSG_LANE_OFF, set=set_id))
-
-    def _close_lane(self, set_id: int) -> None:
-        lane = self._lanes.get(set_id)
-        if lane is not None:
-            lane.close_log()
 
     def _requeue(self, entry: Entry) -> None:
         """The fast lane hands an op back: it is negotiated like any other."""
@@ -213,50 +196,8 @@ class Engine:
         self.transport.wake()
 
     def _on_allreduce(self, route: Route, resp: Response) -> None:
-        """Engine thread, before a negotiated allreduce runs: open the set's lane, learn it."""
-        lane = self._lanes.get(resp.set_id)
-        if lane is None and route.lane_group is not None:
-            with self._lane_lock:  # allreduces submitted before now were not logged: the
-                # lane counts them as misses, so position n stays the n-th allreduce everywhere
-                lane = self._new_lane(resp.set_id, route, self._allreduces.get(resp.set_id, 0))
-                if resp.set_id in self._joining:  # joined before its lane existed: it logs
-                    lane.close_log()  # nothing, so the others must not wait for it
-                self._lanes[resp.set_id] = lane
-            log.info("process set %d: fast lane on (allreduces negotiated once skip rank 0; "
-                     "up to %d names)", resp.set_id, self.config.cache_capacity)
-            lane.start()
-        if lane is not None:
-            lane.learn(resp)
-
-    def _new_lane(self, set_id: int, route: Route, start: int) -> FastLane:
-        """A lane over ``route.lane_group`` with its own executor (not started)."""
-        executor = Executor(self.transport.comm(), self.registry, self.config,
-                            hostnames=self._hostnames, job_id=self._job_id)
-        lane = FastLane(set_id, route, self.config, executor, self._requeue, self._lane_failed,
-                        start=start)
-        lane.on_flush_blocked = functools.partial(self._watch_flush, set_id)
-        return lane
-
-    def _reopen_lane(self, set_id: int) -> None:
-        """Every member joined (each closed its log and flushed it): start a fresh lane.
-
-        Runs on every member at the same response, so the new lane's shared-memory group can
-        be built collectively; the slots carry over.
-        """
-        with self._lane_lock:  # submissions go to the negotiated path until the new lane exists
-            old = self._lanes.pop(set_id, None)
-            self._joining.discard(set_id)
-        route = self._executor.existing_route(set_id)
-        if old is None or route is None:
-            return
-        old.stop()
-        if not route.renew_lane_group(self._job_id):
-            return
-        lane = self._new_lane(set_id, route, 0)
-        lane.adopt_cache(old)
-        with self._lane_lock:  # every member starts its new log at position 0 here
-            self._lanes[set_id] = lane
-        lane.start()
+        """Engine thread, before a negotiated allreduce runs: the set's lane opens or learns."""
+        self._lanes.on_allreduce(route, resp)
 
     def lane(self, set_id: int = 0) -> FastLane | None:
         """The set's fast lane, if it has one (tests, benchmarks)."""
@@ -332,7 +273,7 @@ class Engine:
             log.exception("hora engine failed")
             self._abort(HoraInternalError(f"hora engine failed: {exc!r}"))
         finally:
-            self._stop_lanes(self._error)
+            self._lanes.stop_all(self._error)
             self._executor.close()  # unmap and unlink this rank's shared memory
             self._fail_all(self._error or ShutdownError(
                 "Horovod has been shut down. This was caused by an exception on one of the "
@@ -441,7 +382,7 @@ class Engine:
             elif kind == MSG_LANE_OFF and self._coordinator is None:
                 lane_set = body.get("set")
                 if isinstance(lane_set, int):
-                    self._close_lane(lane_set)
+                    self._lanes.close(lane_set)
             elif kind == MSG_BYE and self._coordinator is not None:
                 self._departed.add(sender)
                 self._last_heard.pop(sender, None)
@@ -491,18 +432,15 @@ class Engine:
             members = self.registry.ranks(resp.set_id)
             in_set = members is not None and self.rank in members
             if resp.kind is OpKind.REMOVE_PROCESS_SET:
-                lane = self._lanes.pop(resp.value, None)
-                if lane is not None:
-                    lane.stop()
+                self._lanes.remove(resp.value)
             elif resp.kind is OpKind.JOIN and in_set:
-                self._reopen_lane(resp.set_id)
+                self._lanes.joined(resp.set_id, self._executor.existing_route(resp.set_id))
             elif resp.kind is OpKind.ERROR and in_set and resp.value not in (ERROR_STALL,
                                                                              ERROR_SHUTDOWN):
                 for name in resp.names:  # a failed op some members never issued: number
                     self.names.observe(resp.set_id, name)  # the next one alike everywhere
                 if "join" in resp.names:  # a failed join (deadlock): this rank is back in
-                    with self._lane_lock:
-                        self._joining.discard(resp.set_id)
+                    self._lanes.join_failed(resp.set_id)
             if in_set or resp.kind in (OpKind.ADD_PROCESS_SET, OpKind.REMOVE_PROCESS_SET,
                                        OpKind.ERROR):
                 self._executor.execute(resp, self._pending.setdefault(resp.set_id, {}))
@@ -565,13 +503,6 @@ class Engine:
                 if self._coordinator is None:
                     break  # rank 0 already merged what it knew
         return reasons
-
-    def _stop_lanes(self, error: BaseException | None) -> None:
-        for lane in list(self._lanes.values()):
-            if error is not None:
-                lane.abort(error)
-            lane.stop()
-        self._lanes.clear()
 
     def _fail_all(self, error: HoraInternalError) -> None:
         while self._queue:
