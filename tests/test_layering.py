@@ -88,3 +88,40 @@ def test_the_launcher_loads_neither_the_engine_nor_numpy() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout.strip()
     assert out == "[]", out
+
+
+def _edges() -> dict[str, set[str]]:
+    """module -> the hora modules it imports (``from pkg import sub`` is an edge to ``sub``)."""
+    paths = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in paths}
+    for module, path in paths.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = [f"{node.module}.{a.name}" for a in node.names
+                        if f"{node.module}.{a.name}" in paths]
+                targets = subs if len(subs) == len(node.names) else [node.module, *subs]
+            graph[module] |= {t for t in targets if t in paths and t != module}
+    return graph
+
+
+def test_no_import_cycles() -> None:
+    """No module imports itself back through others (late and TYPE_CHECKING imports count)."""
+    graph = _edges()
+    done: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        for target in sorted(graph[module]):
+            if target in path:
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in done:
+                visit(target, [*path, target])
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles[:10])

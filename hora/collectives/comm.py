@@ -1,4 +1,5 @@
-"""The point-to-point interface every collective algorithm is written against.
+"""The interfaces every collective algorithm is written against: :class:`Comm` (point-to-point
+bytes, any transport) and :class:`Fabric` (shared segments and signals of one host).
 
 A :class:`Comm` is a group of ``size`` ranks numbered ``0..size-1`` that can exchange raw bytes.
 Messages between a pair of ranks arrive in the order they were sent (a FIFO byte stream per
@@ -15,6 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
 
 Buffer = Any  # a C-contiguous object supporting the buffer protocol
 
@@ -95,3 +99,47 @@ class SubComm:
 
     def describe(self, peer: int) -> str:
         return self._parent.describe(self._ranks[peer])
+
+
+U8 = npt.NDArray[np.uint8]
+"""A byte buffer (shared-memory segments are handed out as these)."""
+
+
+class Fabric(Protocol):
+    """Segments and signals of a same-host group (:class:`hora.transports.shm_fabric.ShmFabric`).
+
+    Every rank owns data segments ``0`` and ``1``; signals are counted per rank over the group's
+    lifetime. Waits raise :class:`~hora.errors.HoraTimeoutError` after the fabric's timeout and
+    :class:`~hora.errors.PeerLostError` when the peer died or closed, naming it.
+    """
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def describe(self, peer: int) -> str: ...
+
+    def reserve(self, parity: int, nbytes: int) -> U8:
+        """This rank's segment ``parity``, grown to at least ``nbytes`` (published to peers)."""
+        ...
+
+    def own(self, parity: int) -> U8: ...
+
+    def peer(self, peer: int, parity: int, nbytes: int) -> U8:
+        """``peer``'s segment ``parity`` (at least ``nbytes``); only after its signal."""
+        ...
+
+    @property
+    def posted(self) -> int: ...
+
+    def post(self) -> int:
+        """Signal every peer; returns this rank's signal count."""
+        ...
+
+    def wait_all(self, target: int) -> None:
+        """Wait until every peer has posted ``target`` signals."""
+        ...
+
+    def close(self) -> None: ...

@@ -32,10 +32,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Protocol
 
 import numpy as np
-import numpy.typing as npt
 
 from hora.collectives._buffers import (
     Array,
@@ -47,6 +45,7 @@ from hora.collectives._buffers import (
     offsets,
 )
 from hora.collectives import shm_allreduce
+from hora.collectives.comm import U8, Fabric
 from hora.collectives.ops import ReduceOp, reduce_inplace
 from hora.collectives.select import (
     SHM_CHUNK_BYTES,
@@ -56,48 +55,7 @@ from hora.collectives.select import (
 from hora.collectives.shm_allreduce import sync, view
 from hora.errors import MismatchError, TransportError
 
-U8 = npt.NDArray[np.uint8]
 _TABLE_ALIGN = 64
-
-
-class Fabric(Protocol):
-    """Segments and signals of a same-host group (:class:`hora.transports.shm_fabric.ShmFabric`).
-
-    Every rank owns data segments ``0`` and ``1``; signals are counted per rank over the group's
-    lifetime. Waits raise :class:`~hora.errors.HoraTimeoutError` after the fabric's timeout and
-    :class:`~hora.errors.PeerLostError` when the peer died or closed, naming it.
-    """
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def size(self) -> int: ...
-
-    def describe(self, peer: int) -> str: ...
-
-    def reserve(self, parity: int, nbytes: int) -> U8:
-        """This rank's segment ``parity``, grown to at least ``nbytes`` (published to peers)."""
-        ...
-
-    def own(self, parity: int) -> U8: ...
-
-    def peer(self, peer: int, parity: int, nbytes: int) -> U8:
-        """``peer``'s segment ``parity`` (at least ``nbytes``); only after its signal."""
-        ...
-
-    @property
-    def posted(self) -> int: ...
-
-    def post(self) -> int:
-        """Signal every peer; returns this rank's signal count."""
-        ...
-
-    def wait_all(self, target: int) -> None:
-        """Wait until every peer has posted ``target`` signals."""
-        ...
-
-    def close(self) -> None: ...
 
 
 class _Collective:

@@ -1,6 +1,6 @@
 """The shared-memory allreduce algorithms behind :meth:`hora.collectives.shm.ShmGroup.allreduce`.
 
-Each is a function of the group's :class:`~hora.collectives.shm.Fabric`, the buffer, the
+Each is a function of the group's :class:`~hora.collectives.comm.Fabric`, the buffer, the
 element-wise op and the collective's segment *parity* (see :mod:`hora.collectives.shm` for why
 two segments make a final barrier unnecessary). Every rank ends with identical bytes: each
 element is reduced by exactly one rank in a fixed order, or by every rank in the same order.
@@ -30,18 +30,13 @@ three signal rounds in all, holds ~2.5-4.5 GB/s).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from hora.collectives._buffers import Array, even_counts, offsets
+from hora.collectives.comm import U8, Fabric
 from hora.collectives.ops import ReduceOp, reduce_inplace
-
-if TYPE_CHECKING:
-    from hora.collectives.shm import Fabric
-
-U8 = npt.NDArray[np.uint8]
 
 
 def view(raw: U8, nbytes: int, dtype: np.dtype[Any]) -> Array:

@@ -22,6 +22,7 @@ from hora._util.net import interface_address, is_loopback, route_source
 from hora.config import Config
 from hora.core.engine import Engine
 from hora.core.handle import HandleTable
+from hora.core import process_set as process_set_mod
 from hora.core.process_set import ProcessSet, Registry, global_process_set
 from hora.errors import NotInitializedError, RendezvousError
 from hora.rendezvous.topology import compute_topology
@@ -62,6 +63,9 @@ def get(what: str = "") -> Context:
     if ctx is None:
         raise NotInitializedError(what)
     return ctx
+
+
+process_set_mod.set_rank_source(lambda: get("ProcessSet.rank").rank)
 
 
 def is_initialized() -> bool:

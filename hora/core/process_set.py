@@ -8,8 +8,20 @@ by the coordinator), so ids agree everywhere.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
+
+from hora.errors import NotInitializedError
+
+_rank_source: Callable[[], int] | None = None
+"""This process's global rank, once :mod:`hora.core.context` has set it up."""
+
+
+def set_rank_source(source: Callable[[], int]) -> None:
+    """Where :meth:`ProcessSet.rank` learns the global rank (the context installs it; this
+    module cannot import the context, which imports it)."""
+    global _rank_source
+    _rank_source = source
 
 
 class ProcessSet:
@@ -31,9 +43,9 @@ class ProcessSet:
         self.ranks = sorted(ranks)
 
     def _registry_rank(self) -> int:
-        from hora.core import context  # late import: context imports this module
-
-        return context.get("ProcessSet.rank").rank
+        if _rank_source is None:
+            raise NotInitializedError("ProcessSet.rank")
+        return _rank_source()
 
     def size(self) -> int | None:
         """Number of ranks, or None if not registered."""

@@ -76,8 +76,8 @@ _REQUEST_TYPES: dict[str, Any] = {
 }
 _RESPONSE_TYPES: dict[str, Any] = {
     "kind": lambda v: isinstance(v, OpKind), "names": lambda v: _nested(v, 1, _str),
-    "set_id": _is_int, "dtype": _str, "op": _is_int, "root": _is_int, "prescale": _num,
-    "postscale": _num, "shapes": lambda v: _nested(v, 2, _is_int),
+    "set_id": _is_int, "dtype": _str, "device": _str, "op": _is_int, "root": _is_int,
+    "prescale": _num, "postscale": _num, "shapes": lambda v: _nested(v, 2, _is_int),
     "first_dims": lambda v: _nested(v, 2, _is_int), "splits": lambda v: _nested(v, 3, _is_int),
     "joined": lambda v: _nested(v, 1, _is_int), "error": _str, "value": _is_int,
     "ranks": lambda v: v is None or _nested(v, 1, _is_int),
