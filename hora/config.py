@@ -139,6 +139,9 @@ KNOBS: tuple[Knob, ...] = (
        "Network interface whose address the ranks use (default: loopback on one host)."),
     _k("hostname", str, "", None,
        "Host identity of this rank (set by the launcher; overrides the real host name)."),
+    _k("elastic", bool, False, None,
+       "Set by an elastic launcher for its ranks: DistributedOptimizer registers its hooks even "
+       "while the job has one rank (it may grow)."),
     # --- accepted for compatibility, no effect ---
     _k("autotune", bool, False, "--autotune",
        "Autotune fusion threshold and cycle time (accepted; not implemented yet).",
@@ -250,6 +253,7 @@ class Config:
     log_hide_time: bool = False
     gloo_iface: str = ""
     hostname: str = ""
+    elastic: bool = False
     autotune: bool = False
     autotune_log: str = ""
     autotune_warmup_samples: int = 3

@@ -93,10 +93,46 @@ class HostsUpdatedInterrupt(RuntimeError):
         self.skip_sync = skip_sync
 
 
+class ProtocolError(HoraInternalError):
+    """A control message could not be parsed (corrupt, or not from hora)."""
+
+
+class FrameError(HoraError, ValueError):
+    """A rendezvous-store frame or request payload that does not follow the store's wire
+    format."""
+
+
+class TimelineFormatError(HoraError, ValueError):
+    """The file is not a Chrome-trace JSON array (or object with ``traceEvents``)."""
+
+
+class HostCheckError(HoraError):
+    """One or more remote hosts cannot run ranks (unreachable, no Python, cannot connect back)."""
+
+
+class RankFailedError(HoraError, RuntimeError):
+    """``hora.run``: a rank ended without a result: killed, ``os._exit``, ``sys.exit`` in
+    ``func``, could not start, or raised an exception that could not be pickled back.
+
+    Attributes:
+        rank: the rank, when known.
+        exit_status: the rank's (or the job's) exit status, when known: the exit code, or 128 + N
+            for a death by signal N.
+    """
+
+    def __init__(self, message: str, rank: int | None = None,
+                 exit_status: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exit_status = exit_status
+
+
 __all__ = [
     "AuthenticationError",
     "ConfigError",
     "DeadlockError",
+    "FrameError",
+    "HostCheckError",
     "HoraError",
     "HoraInternalError",
     "HoraTimeoutError",
@@ -105,8 +141,11 @@ __all__ = [
     "MismatchError",
     "NotInitializedError",
     "PeerLostError",
+    "ProtocolError",
+    "RankFailedError",
     "RendezvousError",
     "RendezvousTimeoutError",
     "ShutdownError",
+    "TimelineFormatError",
     "TransportError",
 ]

@@ -28,7 +28,7 @@ import numpy as np
 
 from hora.collectives.ops import ReduceOp, check_dtype, scale_inplace
 from hora.core import context
-from hora.core.executor import Entry
+from hora.core.entry import Entry
 from hora.core.handle import Handle
 from hora.core.messages import OpKind, Request
 from hora.core.process_set import ProcessSet, global_process_set

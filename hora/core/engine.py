@@ -26,7 +26,8 @@ from collections import deque
 from hora._util.log import get_logger
 from hora.config import Config
 from hora.core.coordinator import Coordinator
-from hora.core.executor import Entry, Executor
+from hora.core.entry import Entry
+from hora.core.executor import Executor
 from hora.core.fastlane import FastLane
 from hora.core.lanes import Lanes
 from hora.core.handle import Handle

@@ -1,14 +1,15 @@
 """Execution of negotiated responses on this rank: fuse, run the collective, unpack, complete.
 
-Runs on the engine's background thread only. Each :class:`~hora.core.messages.Response` is
-executed identically (same algorithm, same sizes) by every member of its process set.
+Each executor is driven by one thread at a time: the engine's own executor by the engine thread;
+a fast lane's executor by whichever thread drives that lane (its lane thread or a waiting
+caller). Each :class:`~hora.core.messages.Response` is executed identically (same algorithm,
+same sizes) by every member of its process set.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -18,8 +19,8 @@ from hora.collectives.comm import Comm, SubComm
 from hora.collectives.ops import ReduceOp, scale_inplace, to_dtype
 from hora.config import Config
 from hora.core.messages import ERROR_DEADLOCK, ERROR_SHUTDOWN, ERROR_STALL
-from hora.core.handle import Handle
-from hora.core.messages import OpKind, Request, Response
+from hora.core.entry import Entry
+from hora.core.messages import OpKind, Response
 from hora.core.process_set import Registry
 from hora.core.routing import Route, build_route, close_quietly
 from hora.errors import (
@@ -36,25 +37,6 @@ _OPS = {int(op): op for op in ReduceOp}
 _ERROR_TYPES: dict[int, type[HoraInternalError]] = {
     ERROR_SHUTDOWN: ShutdownError, ERROR_STALL: HoraTimeoutError, ERROR_DEADLOCK: DeadlockError,
 }
-
-
-@dataclass
-class Entry:
-    """One local op waiting for its response.
-
-    ``tensor`` is the contiguous input. ``output`` is where the result goes (may be ``tensor``
-    itself for in-place ops; None when the size is only known after negotiation). ``finish``
-    post-processes the result (e.g. copy back into a non-contiguous original) before the handle
-    completes.
-    """
-
-    request: Request
-    tensor: np.ndarray
-    output: np.ndarray | None
-    handle: Handle
-    finish: Callable[[Any], Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    sync: bool = False  # the submitter waits for it at once (the fast lane lets it run the op)
 
 
 def reducescatter_rows(rows: int, size: int) -> list[int]:

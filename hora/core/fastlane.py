@@ -57,7 +57,8 @@ from hora.config import Config
 from hora.core.agreement import (
     FusionKey, Signature, fusion_key, request_signature, response_signature,
 )
-from hora.core.executor import Entry, Executor
+from hora.core.entry import Entry
+from hora.core.executor import Executor
 from hora.core.handle import BLOCKED_AFTER_S
 from hora.core.messages import OpKind, Response
 from hora.core.routing import Route

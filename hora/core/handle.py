@@ -196,11 +196,6 @@ class HandleTable:
             self._handles[key] = handle
             return key
 
-    def peek_next(self) -> int:
-        """The integer the next :meth:`add` will return (used for automatic op names)."""
-        with self._lock:
-            return self._next
-
     def get(self, key: int) -> Handle:
         with self._lock:
             handle = self._handles.get(key)

@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 from hora._util.log import get_logger
 from hora.config import Config
-from hora.core.executor import Entry, Executor
+from hora.core.entry import Entry
+from hora.core.executor import Executor
 from hora.core.fastlane import FastLane
 from hora.core.messages import OpKind, Response
 from hora.core.process_set import Registry

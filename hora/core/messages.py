@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from hora.errors import HoraInternalError
+from hora.errors import ProtocolError
 
 
 class OpKind(str, enum.Enum):
@@ -47,7 +47,6 @@ class Request:
     prescale: float = 1.0
     postscale: float = 1.0
     splits: list[int] | None = None
-    group: int = -1
     device: str = "cpu"
     ranks: list[int] | None = None  # ADD/REMOVE_PROCESS_SET
 
@@ -97,10 +96,6 @@ MSG_LANE_OFF = "laneoff"  # coordinator -> worker: {"set": id}: close your fast-
 _FIELDS: dict[type, tuple[str, ...]] = {
     cls: tuple(f.name for f in fields(cls)) for cls in (Request, Response)
 }
-
-
-class ProtocolError(HoraInternalError):
-    """A control message could not be parsed (corrupt, or not from hora)."""
 
 
 def encode(kind: str, **payload: Any) -> bytes:
@@ -175,7 +170,7 @@ def _list(value: Any) -> list[Any]:
 
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "name": str, "rank": int, "set_id": int, "dtype": str, "op": int, "root": int,
-    "prescale": (int, float), "postscale": (int, float), "group": int, "device": str,
+    "prescale": (int, float), "postscale": (int, float), "device": str,
     "error": str, "value": int,
 }
 

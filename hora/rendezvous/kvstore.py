@@ -33,7 +33,9 @@ from typing import TYPE_CHECKING
 from hora._util import auth
 from hora._util.log import get_logger
 from hora._util.net import recv_exact, send_all
-from hora.errors import AuthenticationError, RendezvousError, RendezvousTimeoutError
+from hora.errors import (
+    AuthenticationError, FrameError, RendezvousError, RendezvousTimeoutError,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -59,10 +61,6 @@ _I64 = struct.Struct("!q")
 _TIMEOUT_HINT = ("HINT: the rank that publishes it may not have started, may have crashed, or may "
                  "be slow to start; raise HORA_START_TIMEOUT (hora run --start-timeout) if start-up"
                  " is slow.")
-
-
-class FrameError(ValueError):
-    """A frame or request payload that does not follow the store's wire format."""
 
 
 @dataclass(frozen=True)

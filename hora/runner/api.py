@@ -35,7 +35,7 @@ from typing import Any
 
 from hora._util.net import interface_names, local_hostname
 from hora.config import load
-from hora.errors import ConfigError
+from hora.errors import ConfigError, RankFailedError
 from hora.rendezvous.kvstore import KVStoreClient, KVStoreServer
 from hora.runner import launch as _launch
 from hora.runner import run_func as _proto
@@ -66,22 +66,6 @@ class RemoteTraceback(Exception):
     def __str__(self) -> str:
         return f"\n\nrank {self.rank}'s traceback:\n\"\"\"\n{self.text.rstrip()}\n\"\"\""
 
-
-class RankFailedError(RuntimeError):
-    """A rank ended without a result: killed, ``os._exit``, ``sys.exit`` in ``func``, could not
-    start, or raised an exception that could not be pickled back.
-
-    Attributes:
-        rank: the rank, when known.
-        exit_status: the rank's (or the job's) exit status, when known: the exit code, or 128 + N
-            for a death by signal N.
-    """
-
-    def __init__(self, message: str, rank: int | None = None,
-                 exit_status: int | None = None) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.exit_status = exit_status
 
 
 class _WatchingConsole(Console):

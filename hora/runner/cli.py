@@ -2,8 +2,8 @@
 
 Runner layer (imports only base layers, rendezvous and the runner). ``hora run`` accepts every
 ``horovodrun`` flag with the same meaning; the tunable flags are generated from the knob table
-(:data:`hora.KNOBS`): every knob with a ``cli`` flag becomes an option (bool knobs get
-``--flag`` / ``--no-flag``), values are validated with :func:`hora.parse_value`, and a
+(:data:`hora.config.KNOBS`): every knob with a ``cli`` flag becomes an option (bool knobs get
+``--flag`` / ``--no-flag``), values are validated with :func:`hora.config.parse_value`, and a
 given flag is exported to the ranks as the knob's ``HORA_*`` variable. A ``--config-file`` (YAML,
 horovodrun's sections) fills in knobs the command line did not give.
 

@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from hora.errors import ConfigError, HoraError
+from hora.errors import ConfigError, HostCheckError
 from hora.runner import remote
 
 SSH_PROGRAM = "ssh"
@@ -55,10 +55,6 @@ CONNECTING_PER_HOST = 8
 """ssh connections to one host that may be in setup (before authentication) at once."""
 
 _STDERR_LINES = 5
-
-
-class HostCheckError(HoraError):
-    """One or more remote hosts cannot run ranks (unreachable, no Python, cannot connect back)."""
 
 
 @dataclass(frozen=True)

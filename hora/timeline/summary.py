@@ -26,13 +26,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from hora.errors import TimelineFormatError
+
 _CHUNK = 1 << 20
 _DECODER = json.JSONDecoder()
 _WS = " \t\r\n"
-
-
-class TimelineFormatError(ValueError):
-    """The file is not a Chrome-trace JSON array (or object with ``traceEvents``)."""
 
 
 @dataclass

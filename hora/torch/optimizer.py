@@ -14,7 +14,6 @@ The rules that are not torch-specific (argument checks, names, groups, predivide
 from __future__ import annotations
 
 import inspect
-import os
 import warnings
 from contextlib import contextmanager
 from typing import Any
@@ -26,6 +25,7 @@ import hora
 from hora._util.log import get_logger
 from hora.collectives.ops import ReduceOp
 from hora.core import api as _api
+from hora.core import context as _context
 from hora.core import distopt
 from hora.core.process_set import ProcessSet, global_process_set
 from hora.torch import ops
@@ -86,7 +86,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._p_to_group: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {}
         self._group_counts: dict[tuple[torch.Tensor, ...], int] = {}
         self._in_set = bool(process_set.included())
-        elastic = "1" in (os.environ.get("HOROVOD_ELASTIC"), os.environ.get("HORA_ELASTIC"))
+        elastic = _context.get("DistributedOptimizer").config.elastic
         if self._in_set and (hora.size() > 1 or elastic):
             self._register_hooks(groups)
 

@@ -71,7 +71,7 @@ _REQUEST_TYPES: dict[str, Any] = {
     "name": _str, "kind": lambda v: isinstance(v, OpKind), "rank": _is_int, "set_id": _is_int,
     "dtype": _str, "shape": lambda v: _nested(v, 1, _is_int), "op": _is_int, "root": _is_int,
     "prescale": _num, "postscale": _num,
-    "splits": lambda v: v is None or _nested(v, 1, _is_int), "group": _is_int, "device": _str,
+    "splits": lambda v: v is None or _nested(v, 1, _is_int), "device": _str,
     "ranks": lambda v: v is None or _nested(v, 1, _is_int),
 }
 _RESPONSE_TYPES: dict[str, Any] = {

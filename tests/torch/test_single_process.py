@@ -132,14 +132,22 @@ def test_optimizer_is_a_pass_through_on_one_rank() -> None:
 
 
 def test_elastic_env_installs_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HOROVOD_ELASTIC (a knob, read at init like every other) makes a 1-rank job hook up."""
+    hvd.shutdown()
     monkeypatch.setenv("HOROVOD_ELASTIC", "1")
-    model = nn.Linear(2, 1)
-    opt = hvd.DistributedOptimizer(_opt(model))
-    assert len(opt._hook_handles) == 2
-    model(torch.ones(1, 2)).sum().backward()
-    with pytest.raises(AssertionError, match="zero_grad"):
-        opt.zero_grad()
-    opt.step()
+    hvd.init()
+    try:
+        model = nn.Linear(2, 1)
+        opt = hvd.DistributedOptimizer(_opt(model))
+        assert len(opt._hook_handles) == 2
+        model(torch.ones(1, 2)).sum().backward()
+        with pytest.raises(AssertionError, match="zero_grad"):
+            opt.zero_grad()
+        opt.step()
+    finally:
+        hvd.shutdown()
+        monkeypatch.delenv("HOROVOD_ELASTIC")
+        hvd.init()
 
 
 def test_named_parameters_validation() -> None:
