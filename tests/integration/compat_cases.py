@@ -176,17 +176,6 @@ def test_alltoall_and_grouped_ops() -> None:
     assert [o.tolist() for o in outs] == [[n] * 2, [n] * 3]
 
 
-def test_optimizer_state_broadcast_leaves_gradients() -> None:
-    hvd.init()
-    model = torch.nn.Linear(2, 2)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                   named_parameters=model.named_parameters())
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(opt, root_rank=0)
-    grad = hvd.broadcast(model.weight.grad, root_rank=0)
-    assert torch.equal(grad, torch.zeros(2, 2))
-
-
 def test_numpy_and_torch_share_one_engine() -> None:
     import hora
 

