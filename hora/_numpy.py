@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from hora._version import __version__ as __version__
 from hora.collectives.ops import (
     SUPPORTED_DTYPES,
     Adasum,
@@ -25,7 +26,11 @@ from hora.collectives.ops import (
 from hora.core import api as _api
 from hora.core import context as _context
 from hora.core.api import (
-    add_process_set, allgather_object, poll, remove_process_set, synchronize,
+    add_process_set,
+    allgather_object,
+    poll,
+    remove_process_set,
+    synchronize,
 )
 from hora.core.context import init, is_initialized, shutdown
 from hora.core.handle import Handle
@@ -38,8 +43,6 @@ from hora.errors import (
     MismatchError,
     NotInitializedError,
 )
-
-from hora._version import __version__ as __version__
 
 
 # ---- topology ------------------------------------------------------------------------------

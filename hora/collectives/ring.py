@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 from hora.collectives._buffers import (
     Array,
-    check_allreduce_args,
     as_bytes,
+    check_allreduce_args,
     even_counts,
     offsets,
     scratch_array,

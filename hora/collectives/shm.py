@@ -35,6 +35,7 @@ from types import TracebackType
 
 import numpy as np
 
+from hora.collectives import shm_allreduce
 from hora.collectives._buffers import (
     Array,
     check_array,
@@ -44,7 +45,6 @@ from hora.collectives._buffers import (
     elementwise_op,
     offsets,
 )
-from hora.collectives import shm_allreduce
 from hora.collectives.comm import U8, Fabric
 from hora.collectives.ops import ReduceOp, reduce_inplace
 from hora.collectives.select import (

@@ -20,8 +20,8 @@ import numpy as np
 
 from hora.collectives._buffers import (
     Array,
-    check_allreduce_args,
     as_bytes,
+    check_allreduce_args,
     scratch_array,
 )
 from hora.collectives.comm import Comm

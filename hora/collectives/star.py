@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from hora.collectives._buffers import (
     Array,
-    check_allreduce_args,
     as_bytes,
+    check_allreduce_args,
     scratch_array,
 )
 from hora.collectives.comm import Comm

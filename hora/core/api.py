@@ -36,7 +36,7 @@ from hora.core.process_set import ProcessSet, global_process_set
 try:
     import cloudpickle as _pickler
 except ImportError:  # pragma: no cover - cloudpickle is optional
-    _pickler = pickle  # type: ignore[assignment]
+    _pickler = pickle
 
 
 def resolve_op(op: int | None, average: bool | None) -> ReduceOp:

@@ -20,9 +20,9 @@ import hora.config as config_mod
 from hora._util import log as hlog
 from hora._util.net import interface_address, is_loopback, route_source
 from hora.config import Config
+from hora.core import process_set as process_set_mod
 from hora.core.engine import Engine
 from hora.core.handle import HandleTable
-from hora.core import process_set as process_set_mod
 from hora.core.process_set import ProcessSet, Registry, global_process_set
 from hora.errors import NotInitializedError, RendezvousError
 from hora.rendezvous.topology import compute_topology

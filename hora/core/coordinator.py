@@ -23,7 +23,12 @@ from hora.config import Config
 from hora.core.agreement import fusion_key, request_signature
 from hora.core.deadlock import DeadlockDetector
 from hora.core.messages import (
-    ERROR_MISMATCH, ERROR_SHUTDOWN, ERROR_STALL, OpKind, Request, Response,
+    ERROR_MISMATCH,
+    ERROR_SHUTDOWN,
+    ERROR_STALL,
+    OpKind,
+    Request,
+    Response,
 )
 from hora.core.process_set import Registry
 
@@ -331,11 +336,11 @@ def _validate(name: str, reqs: list[Request]) -> str:
     """Return a mismatch message (identical on every rank) or '' if all requests agree."""
     first = reqs[0]
     mine = request_signature(first)
-    if len(reqs) == 1 or all(request_signature(r) == mine for r in reqs[1:]):
-        # The common case: everything that must agree does. Only scalars need a closer look.
-        if not (first.kind in (OpKind.ALLGATHER, OpKind.ALLTOALL, OpKind.REDUCESCATTER)
-                and len(first.shape) == 0):
-            return ""
+    # The common case: everything that must agree does. Only scalars need a closer look.
+    if (len(reqs) == 1 or all(request_signature(r) == mine for r in reqs[1:])) and not (
+            first.kind in (OpKind.ALLGATHER, OpKind.ALLTOALL, OpKind.REDUCESCATTER)
+            and len(first.shape) == 0):
+        return ""
     kind = first.kind.value
 
     def differ(field_name: str, label: str, horovod: str, hint: str) -> str:
@@ -378,10 +383,10 @@ def _validate(name: str, reqs: list[Request]) -> str:
         msg = differ(field_name, label, horovod, hint)
         if msg:
             return msg
-    if first.kind in (OpKind.ALLGATHER, OpKind.ALLTOALL, OpKind.REDUCESCATTER):
-        if len(first.shape) == 0:
-            return (f"Process-set rank zero tried to {kind} a rank-zero tensor '{name}'. HINT: "
-                    "reshape scalars to shape [1].")
+    if first.kind in (OpKind.ALLGATHER, OpKind.ALLTOALL, OpKind.REDUCESCATTER) \
+            and len(first.shape) == 0:
+        return (f"Process-set rank zero tried to {kind} a rank-zero tensor '{name}'. HINT: "
+                "reshape scalars to shape [1].")
     if first.kind in (OpKind.ALLGATHER, OpKind.ALLTOALL):
         ndims = {len(r.shape) for r in reqs}
         if len(ndims) > 1:

@@ -9,8 +9,8 @@ allreduce (``gradient_predivide_factor``).
 from __future__ import annotations
 
 import warnings
-from typing import Any, TypeVar
 from collections.abc import Sequence
+from typing import Any, TypeVar
 
 from hora.collectives.ops import ReduceOp
 

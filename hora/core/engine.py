@@ -29,9 +29,8 @@ from hora.core.coordinator import Coordinator
 from hora.core.entry import Entry
 from hora.core.executor import Executor
 from hora.core.fastlane import FastLane
-from hora.core.lanes import Lanes
 from hora.core.handle import Handle
-from hora.core.naming import AutoNames
+from hora.core.lanes import Lanes
 from hora.core.messages import (
     ERROR_SHUTDOWN,
     ERROR_STALL,
@@ -50,6 +49,7 @@ from hora.core.messages import (
     encode,
     parse_waits,
 )
+from hora.core.naming import AutoNames
 from hora.core.process_set import Registry
 from hora.core.routing import Route
 from hora.errors import HoraError, HoraInternalError, PeerLostError, ShutdownError

@@ -18,16 +18,22 @@ from hora._util.log import get_logger
 from hora.collectives.comm import Comm, SubComm
 from hora.collectives.ops import ReduceOp, scale_inplace, to_dtype
 from hora.config import Config
-from hora.core.messages import ERROR_DEADLOCK, ERROR_SHUTDOWN, ERROR_STALL
 from hora.core.entry import Entry
-from hora.core.messages import OpKind, Response
+from hora.core.messages import ERROR_DEADLOCK, ERROR_SHUTDOWN, ERROR_STALL, OpKind, Response
 from hora.core.process_set import Registry
 from hora.core.routing import Route, build_route, close_quietly
 from hora.errors import (
-    DeadlockError, HoraInternalError, HoraTimeoutError, MismatchError, ShutdownError,
+    DeadlockError,
+    HoraInternalError,
+    HoraTimeoutError,
+    MismatchError,
+    ShutdownError,
 )
 from hora.timeline.writer import (
-    MEMCPY_IN_FUSION_BUFFER, MEMCPY_OUT_FUSION_BUFFER, Timeline, collective_activity,
+    MEMCPY_IN_FUSION_BUFFER,
+    MEMCPY_OUT_FUSION_BUFFER,
+    Timeline,
+    collective_activity,
 )
 
 log = get_logger(__name__)

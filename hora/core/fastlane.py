@@ -55,7 +55,11 @@ from hora._util.log import get_logger
 from hora.collectives.ops import to_dtype
 from hora.config import Config
 from hora.core.agreement import (
-    FusionKey, Signature, fusion_key, request_signature, response_signature,
+    FusionKey,
+    Signature,
+    fusion_key,
+    request_signature,
+    response_signature,
 )
 from hora.core.entry import Entry
 from hora.core.executor import Executor

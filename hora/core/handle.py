@@ -14,7 +14,6 @@ from typing import Any
 
 from hora.errors import HoraInternalError, HoraTimeoutError
 
-
 BLOCKED_AFTER_S = 0.25
 """A wait this long makes the waiting rank count as blocked in the op (deadlock detection)."""
 

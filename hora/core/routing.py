@@ -25,7 +25,7 @@ from hora.collectives.allreduce import allreduce
 from hora.collectives.alltoall import alltoall
 from hora.collectives.broadcast import broadcast
 from hora.collectives.comm import Comm, SubComm
-from hora.collectives.hierarchical import host_layout, hierarchical_allreduce, leader_allreduce
+from hora.collectives.hierarchical import hierarchical_allreduce, host_layout, leader_allreduce
 from hora.collectives.ops import ReduceOp
 from hora.collectives.reducescatter import reducescatter
 from hora.collectives.select import select_allreduce

@@ -34,7 +34,10 @@ from hora._util import auth
 from hora._util.log import get_logger
 from hora._util.net import recv_exact, send_all
 from hora.errors import (
-    AuthenticationError, FrameError, RendezvousError, RendezvousTimeoutError,
+    AuthenticationError,
+    FrameError,
+    RendezvousError,
+    RendezvousTimeoutError,
 )
 
 if TYPE_CHECKING:

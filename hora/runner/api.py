@@ -40,8 +40,8 @@ from hora.rendezvous.kvstore import KVStoreClient, KVStoreServer
 from hora.runner import launch as _launch
 from hora.runner import run_func as _proto
 from hora.runner import ssh
-from hora.runner.hosts import HostSlots, assign_hosts, parse_hostfile, parse_hosts
 from hora.runner.failures import WorkerFailure, signal_name
+from hora.runner.hosts import HostSlots, assign_hosts, parse_hostfile, parse_hosts
 from hora.runner.local import CONSOLE, Console
 
 RANK_MODULE = "hora.runner.run_func"
@@ -357,13 +357,13 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (),
     del disable_cache  # accepted for Horovod compatibility; there is no cache
 
     secret = secrets.token_bytes(32)
-    with KVStoreServer(secret, address, 0) as server:
-        with KVStoreClient(server.host, server.port, secret, timeout=max(timeout, 5.0)) as client:
-            _proto.put_blob(client, _proto.FUNC_KEY, payload, {})
-            environ = {**_environ(), _proto.STORE_VAR: f"{server.host}:{server.port}",
-                       _proto.SECRET_VAR: secret.hex()}
-            status = _launch.launch(spec, environ=environ, console=console)
-            return _outcome(client, np, status, console)
+    with KVStoreServer(secret, address, 0) as server, \
+            KVStoreClient(server.host, server.port, secret, timeout=max(timeout, 5.0)) as client:
+        _proto.put_blob(client, _proto.FUNC_KEY, payload, {})
+        environ = {**_environ(), _proto.STORE_VAR: f"{server.host}:{server.port}",
+                   _proto.SECRET_VAR: secret.hex()}
+        status = _launch.launch(spec, environ=environ, console=console)
+        return _outcome(client, np, status, console)
 
 
 __all__ = ["RANK_MODULE", "RankFailedError", "RemoteTraceback", "run"]

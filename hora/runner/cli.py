@@ -346,7 +346,7 @@ def read_config_file(path: str) -> tuple[dict[str, Any], str | None]:
             section, key or a malformed value.
     """
     try:
-        import yaml  # type: ignore[import-untyped]
+        import yaml
     except ImportError:
         raise ConfigError(f"--config-file {path!r} needs PyYAML to read it: "
                           "pip install pyyaml") from None

@@ -163,9 +163,7 @@ class _Rank:
         _kill_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + self.grace
         while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is None:
-                time.sleep(_POLL_S)
-            elif _group_alive(pgid):
+            if self.proc is not None and self.proc.poll() is None or _group_alive(pgid):
                 time.sleep(_POLL_S)
             else:
                 return

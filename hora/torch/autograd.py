@@ -22,8 +22,8 @@ run through :mod:`hora.torch.ops` (the collective contract is documented there).
 
 from __future__ import annotations
 
-from typing import Any
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 

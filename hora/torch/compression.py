@@ -48,7 +48,7 @@ class NoneCompressor(Compressor):
 
     @staticmethod
     def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return _core.none_decompress(tensor, ctx, _HOOK)  # type: ignore[no-any-return]
+        return _core.none_decompress(tensor, ctx, _HOOK)
 
 
 class FP16Compressor(Compressor):
@@ -60,7 +60,7 @@ class FP16Compressor(Compressor):
 
     @staticmethod
     def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return _core.fp16_decompress(tensor, ctx, _HOOK)  # type: ignore[no-any-return]
+        return _core.fp16_decompress(tensor, ctx, _HOOK)
 
 
 class Compression:

@@ -18,16 +18,16 @@ and copied back (two device<->host copies per op; see docs/torch.md). Nothing re
 
 from __future__ import annotations
 
-from typing import Any
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from hora.collectives.ops import BFLOAT16, ReduceOp
 from hora.core import api as _api
-from hora.core.api import synchronize
 from hora.core import context as _context
+from hora.core.api import synchronize
 from hora.core.handle import DerivedHandle, Handle
 from hora.core.process_set import ProcessSet, global_process_set
 from hora.errors import HorovodInternalError

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
-from collections.abc import Iterable, Iterator
 
 import torch
 

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from hora.collectives.ops import ReduceOp
 from hora.core.process_set import ProcessSet, global_process_set
 from hora.torch import ops
-from hora.collectives.ops import ReduceOp
 
 
 def _channel_view(t: torch.Tensor, ndim: int) -> torch.Tensor:

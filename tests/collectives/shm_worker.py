@@ -18,6 +18,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from helpers import DTYPES, OPS, make_inputs, reference, same_bytes  # noqa: E402
+
 import hora  # noqa: E402
 import hora.collectives.shm as shm_collectives  # noqa: E402
 from hora.collectives.ops import ReduceOp  # noqa: E402
@@ -26,8 +28,6 @@ from hora.core import context  # noqa: E402
 from hora.errors import PeerLostError  # noqa: E402
 from hora.transports.shm import job_id_from_env
 from hora.transports.shm_fabric import ShmFabric  # noqa: E402
-
-from helpers import DTYPES, OPS, make_inputs, reference, same_bytes  # noqa: E402
 
 
 def _group() -> ShmGroup:

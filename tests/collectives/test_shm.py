@@ -337,9 +337,7 @@ def test_random_sequence_of_collectives_keeps_segments_consistent(job_id: str,
     expected = []
     for i, (kind, count) in enumerate(plan):
         total = sum(r + i for r in range(3))
-        if kind in ("ar", "rs"):
-            expected.append(float(count * total))
-        elif kind == "ag":
+        if kind in ("ar", "rs") or kind == "ag":
             expected.append(float(count * total))
         elif kind == "bc":
             expected.append(float(count * (i % 3 + i)))

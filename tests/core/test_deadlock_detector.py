@@ -12,7 +12,13 @@ from hora.config import Config
 from hora.core.coordinator import Coordinator
 from hora.core.handle import BLOCKED_AFTER_S
 from hora.core.messages import (
-    ERROR_DEADLOCK, OpKind, ProtocolError, Request, decode, encode, parse_waits,
+    ERROR_DEADLOCK,
+    OpKind,
+    ProtocolError,
+    Request,
+    decode,
+    encode,
+    parse_waits,
 )
 from hora.core.naming import AutoNames
 from hora.core.process_set import Registry

@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from hora.collectives.ops import to_dtype
 from hora.config import Config
 from hora.core.coordinator import Coordinator
-from hora.core.messages import ERROR_SHUTDOWN
 from hora.core.messages import (
+    ERROR_SHUTDOWN,
     MSG_REQUESTS,
     MSG_RESPONSES,
     OpKind,
@@ -254,9 +254,7 @@ def _expected_error(reqs: list[Request], members: list[int]) -> bool:
         return True
     if kind in (OpKind.ALLGATHER, OpKind.ALLTOALL, OpKind.REDUCESCATTER) and not first.shape:
         return True
-    if kind in (OpKind.ALLGATHER, OpKind.ALLTOALL) and differ(lambda r: r.shape[1:]):
-        return True
-    return False
+    return kind in (OpKind.ALLGATHER, OpKind.ALLTOALL) and differ(lambda r: r.shape[1:])
 
 
 @st.composite

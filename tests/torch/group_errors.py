@@ -123,9 +123,9 @@ def not_in_process_set(hvd: Any, f: Any) -> None:
 
 def bad_arguments(hvd: Any, f: Any) -> None:
     n = hvd.size()
-    with _raises(HorovodError := hvd.HorovodInternalError, "only supports AVERAGE and SUM"):
+    with _raises(horovod_error := hvd.HorovodInternalError, "only supports AVERAGE and SUM"):
         hvd.reducescatter(torch.ones(n, 2), op=hvd.Max)
-    assert issubclass(HorovodError, RuntimeError)
+    assert issubclass(horovod_error, RuntimeError)
     with _raises(ValueError, "Reducescatter does not support scalar inputs"):
         hvd.reducescatter(torch.tensor(1.0))
     with _raises(NotImplementedError, "Adasum"):

@@ -3,9 +3,8 @@ real 3-rank ``hora run`` job (one pytest test per case)."""
 
 from __future__ import annotations
 
-import pytest
-
 import group_collectives
+import pytest
 from conftest import CaseJob, run_cases
 
 pytestmark = pytest.mark.integration

@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 import group_training
+import pytest
 from conftest import CaseJob, run_cases
 
 pytestmark = pytest.mark.integration

@@ -14,9 +14,9 @@ import sys
 import traceback
 
 import torch
+from torch_factory import TorchFactory
 
 import hora.torch as hvd
-from torch_factory import TorchFactory
 
 
 def main(group: str) -> None:
