@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from hora._version import __version__ as __version__
 from hora.collectives.ops import (
     SUPPORTED_DTYPES,
@@ -25,6 +27,7 @@ from hora.collectives.ops import (
 )
 from hora.core import api as _api
 from hora.core import context as _context
+from hora.core import spellings as _sp
 from hora.core.api import (
     add_process_set,
     allgather_object,
@@ -143,113 +146,61 @@ def stop_timeline() -> None:
     _context.get("stop_timeline").engine.timeline.stop()
 
 
-# ---- handles -------------------------------------------------------------------------------
-def _handles() -> Any:
-    return _context.get("handles").handles
-
-
-def _register(h: Handle) -> int:
-    return int(_handles().add(h))
-
-
 # ---- collectives on numpy arrays -------------------------------------------------------------
-def allreduce_async(tensor: Any, average: bool | None = None, name: str | None = None,
-                    op: int | None = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0,
-                    process_set: ProcessSet = global_process_set) -> int:
-    """Start an allreduce; returns an integer handle for :func:`synchronize`."""
-    return _register(_api.allreduce_async(
-        tensor, name=name, op=_api.resolve_op(op, average), prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor, process_set=process_set))
+class _NumpyBridge:
+    """The numpy side of :mod:`hora.core.spellings`: arrays are the core's own buffers."""
+
+    def host(self, tensor: Any, table: str) -> _sp.Host:
+        return _sp.Host(tensor if isinstance(tensor, np.ndarray) else np.asarray(tensor), "cpu",
+                        tensor)
+
+    def same_device(self, hosts: Sequence[_sp.Host]) -> str:
+        return "cpu"
+
+    def result(self, like: _sp.Host, out: Any) -> Any:
+        return out
+
+    def written(self, host: _sp.Host, out: Any) -> Any:
+        return out
+
+    def splits(self, splits: Any) -> list[int] | None:
+        return None if splits is None else [int(s) for s in np.asarray(splits).reshape(-1)]
+
+    def received_splits(self, splits: Any, received: np.ndarray) -> Any:
+        return received
 
 
-def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
-              op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              process_set: ProcessSet = global_process_set) -> Any:
-    """Element-wise reduction across ranks (default op: Average); returns a new array."""
-    return _api.allreduce_async(
-        tensor, name=name, op=_api.resolve_op(op, average), prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor, process_set=process_set, sync=True).wait()
+_NUMPY = _NumpyBridge()
 
 
-def allreduce_(tensor: Any, average: bool | None = None, name: str | None = None,
-               op: int | None = None, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0,
-               process_set: ProcessSet = global_process_set) -> Any:
-    """In-place allreduce: the result is written into ``tensor``, which is returned."""
-    return _api.allreduce_async(
-        tensor, name=name, op=_api.resolve_op(op, average), prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor, process_set=process_set, inplace=True,
-        sync=True).wait()
+def _spell(family: _sp.Family, public: str, inplace: bool, wait: bool) -> Any:
+    return _sp.spell(_NUMPY, family, public, inplace=inplace, wait=wait, module=__name__)
 
 
-def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
-                      name: str | None = None, op: int | None = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      process_set: ProcessSet = global_process_set) -> list[Any]:
-    """Allreduce a list of arrays together; returns the list of results."""
-    return list(_api.grouped_allreduce_async(
-        tensors, name=name, op=_api.resolve_op(op, average), prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor, process_set=process_set).wait())
-
-
-def allgather(tensor: Any, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> Any:
-    """Concatenate every rank's array along dimension 0 (first dims may differ)."""
-    return _api.allgather_async(tensor, name=name, process_set=process_set).wait()
-
-
-def allgather_async(tensor: Any, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> int:
-    return _register(_api.allgather_async(tensor, name=name, process_set=process_set))
-
-
-def broadcast(tensor: Any, root_rank: int, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> Any:
-    """Return ``root_rank``'s array on every rank."""
-    return _api.broadcast_async(tensor, root_rank, name=name, process_set=process_set).wait()
-
-
-def broadcast_(tensor: Any, root_rank: int, name: str | None = None,
-               process_set: ProcessSet = global_process_set) -> Any:
-    """In-place broadcast into ``tensor``."""
-    return _api.broadcast_async(tensor, root_rank, name=name, process_set=process_set,
-                                inplace=True).wait()
-
-
-def broadcast_async(tensor: Any, root_rank: int, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> int:
-    return _register(_api.broadcast_async(tensor, root_rank, name=name, process_set=process_set))
-
-
-def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
-             process_set: ProcessSet = global_process_set) -> tuple[Any, Any]:
-    """Scatter rows to every rank by ``splits``; returns ``(received, received_splits)``."""
-    result: tuple[Any, Any] = _api.alltoall_async(tensor, splits, name=name,
-                                                  process_set=process_set).wait()
-    return result
-
-
-def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
-                   process_set: ProcessSet = global_process_set) -> int:
-    return _register(_api.alltoall_async(tensor, splits, name=name, process_set=process_set))
-
-
-def reducescatter(tensor: Any, name: str | None = None, op: int | None = None,
-                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> Any:
-    """Reduce across ranks, then keep this rank's share of dimension 0 (default op Average)."""
-    return _api.reducescatter_async(
-        tensor, name=name, op=_api.resolve_op(op, None), process_set=process_set,
-        prescale_factor=prescale_factor, postscale_factor=postscale_factor).wait()
-
-
-def reducescatter_async(tensor: Any, name: str | None = None, op: int | None = None,
-                        process_set: ProcessSet = global_process_set,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
-    return _register(_api.reducescatter_async(
-        tensor, name=name, op=_api.resolve_op(op, None), process_set=process_set,
-        prescale_factor=prescale_factor, postscale_factor=postscale_factor))
+allreduce = _spell(_sp.ALLREDUCE, "allreduce", False, True)
+allreduce_ = _spell(_sp.ALLREDUCE, "allreduce_", True, True)
+allreduce_async = _spell(_sp.ALLREDUCE, "allreduce_async", False, False)
+allreduce_async_ = _spell(_sp.ALLREDUCE, "allreduce_async_", True, False)
+grouped_allreduce = _spell(_sp.GROUPED_ALLREDUCE, "grouped_allreduce", False, True)
+grouped_allreduce_ = _spell(_sp.GROUPED_ALLREDUCE, "grouped_allreduce_", True, True)
+grouped_allreduce_async = _spell(_sp.GROUPED_ALLREDUCE, "grouped_allreduce_async", False, False)
+grouped_allreduce_async_ = _spell(_sp.GROUPED_ALLREDUCE, "grouped_allreduce_async_", True,
+                                  False)
+allgather = _spell(_sp.ALLGATHER, "allgather", False, True)
+allgather_async = _spell(_sp.ALLGATHER, "allgather_async", False, False)
+grouped_allgather = _spell(_sp.GROUPED_ALLGATHER, "grouped_allgather", False, True)
+grouped_allgather_async = _spell(_sp.GROUPED_ALLGATHER, "grouped_allgather_async", False, False)
+broadcast = _spell(_sp.BROADCAST, "broadcast", False, True)
+broadcast_ = _spell(_sp.BROADCAST, "broadcast_", True, True)
+broadcast_async = _spell(_sp.BROADCAST, "broadcast_async", False, False)
+broadcast_async_ = _spell(_sp.BROADCAST, "broadcast_async_", True, False)
+alltoall = _spell(_sp.ALLTOALL, "alltoall", False, True)
+alltoall_async = _spell(_sp.ALLTOALL, "alltoall_async", False, False)
+reducescatter = _spell(_sp.REDUCESCATTER, "reducescatter", False, True)
+reducescatter_async = _spell(_sp.REDUCESCATTER, "reducescatter_async", False, False)
+grouped_reducescatter = _spell(_sp.GROUPED_REDUCESCATTER, "grouped_reducescatter", False, True)
+grouped_reducescatter_async = _spell(_sp.GROUPED_REDUCESCATTER, "grouped_reducescatter_async",
+                                     False, False)
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
@@ -292,12 +243,14 @@ __all__ = [
     "allreduce",
     "allreduce_",
     "allreduce_async",
+    "allreduce_async_",
     "alltoall",
     "alltoall_async",
     "barrier",
     "broadcast",
     "broadcast_",
     "broadcast_async",
+    "broadcast_async_",
     "broadcast_object",
     "ccl_built",
     "cross_rank",
@@ -307,7 +260,14 @@ __all__ = [
     "global_process_set",
     "gloo_built",
     "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "init",
     "is_homogeneous",
     "is_initialized",
