@@ -154,8 +154,8 @@ class _NumpyBridge:
         return _sp.Host(tensor if isinstance(tensor, np.ndarray) else np.asarray(tensor), "cpu",
                         tensor)
 
-    def same_device(self, hosts: Sequence[_sp.Host]) -> str:
-        return "cpu"
+    def hosts(self, tensors: Sequence[Any], table: str) -> tuple[list[_sp.Host], str]:
+        return [self.host(t, table) for t in tensors], "cpu"
 
     def result(self, like: _sp.Host, out: Any) -> Any:
         return out

@@ -53,8 +53,9 @@ class Bridge(Protocol):
         return its host view. Raises ValueError (Horovod's text) for what the adapter refuses."""
         ...
 
-    def same_device(self, hosts: Sequence[Host]) -> str:
-        """The device kind of a list (grouped ops); ValueError if the tensors differ."""
+    def hosts(self, tensors: Sequence[Any], table: str) -> tuple[list[Host], str]:
+        """Grouped ops: :meth:`host` of each tensor and the list's one device kind
+        (ValueError if the tensors are on different devices)."""
         ...
 
     def result(self, like: Host, out: Any) -> Any:
@@ -106,11 +107,6 @@ def _many(bridge: Bridge, hosts: list[Host], inplace: bool) -> Convert:
     return lambda outs: [bridge.result(h, o) for h, o in zip(hosts, outs)]
 
 
-def _hosts(bridge: Bridge, tensors: Sequence[Any], table: str) -> tuple[list[Host], str]:
-    hosts = [bridge.host(t, table) for t in tensors]
-    return hosts, bridge.same_device(hosts)
-
-
 def reducescatter_op(op: int | None) -> ReduceOp:
     """Resolve a reducescatter ``op``; other ops than Sum / Average raise HorovodInternalError,
     as Horovod does."""
@@ -141,7 +137,7 @@ def _grouped_allreduce(bridge: Bridge, inplace: bool, sync: bool, tensors: Seque
                        average: bool | None, name: str | None, op: int | None,
                        prescale_factor: float, postscale_factor: float,
                        process_set: ProcessSet) -> tuple[Handle, Convert]:
-    hosts, device = _hosts(bridge, tensors, REDUCE)
+    hosts, device = bridge.hosts(tensors, REDUCE)
     h = api.grouped_allreduce_async([x.array for x in hosts], name=name,
                                     op=api.resolve_op(op, average),
                                     prescale_factor=prescale_factor,
@@ -163,7 +159,7 @@ def _allgather(bridge: Bridge, inplace: bool, sync: bool, tensor: Any, name: str
 
 def _grouped_allgather(bridge: Bridge, inplace: bool, sync: bool, tensors: Sequence[Any],
                        name: str | None, process_set: ProcessSet) -> tuple[Handle, Convert]:
-    hosts, device = _hosts(bridge, tensors, MOVE)
+    hosts, device = bridge.hosts(tensors, MOVE)
     h = api.grouped_allgather_async([x.array for x in hosts], name=name,
                                     process_set=process_set, device=device)
     return h, _many(bridge, hosts, False)
@@ -219,7 +215,7 @@ def _grouped_reducescatter(bridge: Bridge, inplace: bool, sync: bool, tensors: S
                            name: str | None, op: int | None, process_set: ProcessSet,
                            prescale_factor: float,
                            postscale_factor: float) -> tuple[Handle, Convert]:
-    hosts, device = _hosts(bridge, tensors, REDUCE)
+    hosts, device = bridge.hosts(tensors, REDUCE)
     h = api.grouped_reducescatter_async([x.array for x in hosts], name=name,
                                         op=reducescatter_op(op),
                                         prescale_factor=prescale_factor,

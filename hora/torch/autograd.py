@@ -30,6 +30,7 @@ import torch
 from hora.collectives.ops import ReduceOp
 from hora.core import api as _api
 from hora.core import context as _context
+from hora.core import spellings as _sp
 from hora.core.process_set import ProcessSet, global_process_set
 from hora.torch import ops
 from hora.torch.compression import Compression, Compressor
@@ -48,10 +49,10 @@ class _Allreduce(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float,
                 post: float, process_set: ProcessSet) -> torch.Tensor:
         ctx.args = (op, pre, post, process_set)
-        # the private helper: it tells the core that this caller waits at once (fast lane)
-        handle = ops._allreduce(tensor, False, name, _api.resolve_op(op, None), pre, post,
-                                process_set, sync=True)
-        return ops.synchronize(handle)
+        # waits at once, so the core lets this thread drive the op (fast lane)
+        out: torch.Tensor = _sp.run(ops.TORCH, _sp.ALLREDUCE, tensor, None, name, op, pre, post,
+                                    process_set)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:

@@ -1,11 +1,12 @@
-"""Torch tensors <-> the core's numpy buffers, and every asynchronous collective on tensors.
+"""Torch tensors <-> the core's numpy buffers (:data:`TORCH`, the adapter's bridge), and
+Horovod's non-differentiable forms of every collective, compiled by
+:func:`hora.core.spellings.spell` from the core's one definition of each op.
 
-This is the thin half of the adapter: it checks a tensor's dtype against Horovod's per-op
-tables, hands the core a numpy view of the tensor's memory (zero-copy on the CPU; bfloat16 is
-reinterpreted through int16; CUDA tensors are staged through host memory), calls
-:mod:`hora.core.api`, and registers a :class:`~hora.core.handle.DerivedHandle` in the shared
-integer handle table whose result is the torch tensor. All collective logic (naming,
-negotiation, averaging, validation across ranks) is the core's.
+The bridge checks a tensor's dtype against Horovod's per-op tables, hands the core a numpy view
+of the tensor's memory (zero-copy on the CPU; bfloat16 is reinterpreted through int16; CUDA
+tensors are staged through host memory) and turns results back into tensors (in-place results
+bump autograd's version counter). All collective logic (naming, negotiation, averaging,
+validation across ranks, handles) is the core's.
 
 Contract shared by every op here (Horovod's): every member of the process set must call the op
 with the same ``name`` (unnamed ops match by call order), the same dtype, and the shape rules of
@@ -24,13 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from hora.collectives.ops import BFLOAT16, ReduceOp
+from hora.collectives.ops import BFLOAT16
 from hora.core import api as _api
-from hora.core import context as _context
-from hora.core.api import synchronize
-from hora.core.handle import DerivedHandle, Handle
+from hora.core import spellings as _sp
+from hora.core.api import synchronize as synchronize  # re-exported: ops.synchronize
 from hora.core.process_set import ProcessSet, global_process_set
-from hora.errors import HorovodInternalError
 
 # Horovod's torch binding registers kernels for these dtypes (spec §2.1); hora adds bfloat16.
 REDUCE_DTYPES = frozenset({torch.int32, torch.int64, torch.float16, torch.bfloat16,
@@ -86,124 +85,77 @@ def to_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return t if device.type == "cpu" else t.to(device)
 
 
-def _inplace_result(tensor: torch.Tensor, host: np.ndarray) -> Callable[[Any], torch.Tensor]:
-    """Conversion for in-place ops: the result already sits in ``tensor``'s memory (CPU) or in
-    the staging copy ``host`` (other devices); bump the autograd version counter either way."""
+class _TorchBridge:
+    """torch tensors <-> the core's host buffers, for :mod:`hora.core.spellings`."""
 
-    def convert(_result: Any) -> torch.Tensor:
+    def host(self, tensor: Any, table: str) -> _sp.Host:
+        t = check_tensor(tensor, REDUCE_DTYPES if table == _sp.REDUCE else MOVE_DTYPES)
+        return _sp.Host(host_array(t), device_kind(t), t)
+
+    def hosts(self, tensors: Sequence[Any], table: str) -> tuple[list[_sp.Host], str]:
+        allowed = REDUCE_DTYPES if table == _sp.REDUCE else MOVE_DTYPES
+        checked = [check_tensor(t, allowed) for t in tensors]
+        if not checked:
+            return [], "cpu"
+        device = checked[0].device
+        if any(t.device != device for t in checked):
+            raise ValueError("Tensors in list must be on same device.")
+        return [_sp.Host(host_array(t), device_kind(t), t) for t in checked], device.type
+
+    def result(self, like: _sp.Host, out: Any) -> torch.Tensor:
+        return to_tensor(out, like.tensor.device)
+
+    def written(self, host: _sp.Host, out: Any) -> torch.Tensor:
+        tensor: torch.Tensor = host.tensor
         with torch.no_grad():
-            if tensor.device.type != "cpu":
-                tensor.copy_(to_tensor(host, torch.device("cpu")))
-            elif _increment_version is not None:
+            if tensor.device.type != "cpu":  # the result is in the staging copy: copy it back
+                tensor.copy_(to_tensor(host.array, torch.device("cpu")))
+            elif _increment_version is not None:  # autograd sees the in-place change
                 _increment_version(tensor)
         return tensor
 
-    return convert
+    def splits(self, splits: Any) -> list[int] | None:
+        if splits is None:
+            return None
+        if isinstance(splits, torch.Tensor):
+            if splits.dim() != 1:
+                raise ValueError("splits must be a 1-D tensor")
+            if splits.dtype is not torch.int32:
+                raise ValueError(f"splits must be an int32 tensor, not {splits.dtype}")
+            return [int(s) for s in splits.tolist()]
+        return [int(s) for s in splits]
+
+    def received_splits(self, splits: Any, received: np.ndarray) -> torch.Tensor:
+        device = splits.device if isinstance(splits, torch.Tensor) else torch.device("cpu")
+        return to_tensor(received, device)
 
 
-def _same_device(tensors: Sequence[torch.Tensor]) -> torch.device:
-    if not tensors:
-        return torch.device("cpu")
-    device = tensors[0].device
-    if any(t.device != device for t in tensors):
-        raise ValueError("Tensors in list must be on same device.")
-    return device
+TORCH = _TorchBridge()
+"""The torch bridge: every collective of this adapter goes through it."""
 
 
-def register(core_handle: Handle, convert: Callable[[Any], Any]) -> int:
-    """Put ``core_handle`` in the shared table; ``synchronize`` returns ``convert(result)``."""
-    return int(_context.get("handles").handles.add(DerivedHandle(core_handle, convert)))
+def _spell(family: _sp.Family, public: str, inplace: bool, wait: bool) -> Any:
+    return _sp.spell(TORCH, family, public, inplace=inplace, wait=wait, module=__name__)
 
 
-# ---- handles -----------------------------------------------------------------------------------
-# ---- allreduce ---------------------------------------------------------------------------------
-def _allreduce(tensor: torch.Tensor, inplace: bool, name: str | None, op: ReduceOp,
-               prescale_factor: float, postscale_factor: float,
-               process_set: ProcessSet, sync: bool = False) -> int:
-    check_tensor(tensor, REDUCE_DTYPES)
-    host = host_array(tensor)
-    h = _api.allreduce_async(host, name=name, op=op, prescale_factor=prescale_factor,
-                             postscale_factor=postscale_factor, process_set=process_set,
-                             inplace=inplace, device=device_kind(tensor), sync=sync)
-    if inplace:
-        return register(h, _inplace_result(tensor, host))
-    return register(h, lambda out: to_tensor(out, tensor.device))
-
-
-def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-                    op: int | None = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0,
-                    process_set: ProcessSet = global_process_set) -> int:
-    """Start ``postscale * op(prescale * tensor_i)`` over the set (default op Average); the input
-    is not modified. Returns a handle; ``synchronize`` gives a new tensor of the same shape and
-    dtype. ``average`` is deprecated (True: Average, False: Sum)."""
-    return _allreduce(tensor, False, name, _api.resolve_op(op, average), prescale_factor,
-                      postscale_factor, process_set)
-
-
-def allreduce_async_(tensor: torch.Tensor, average: bool | None = None,
-                     name: str | None = None, op: int | None = None,
-                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: ProcessSet = global_process_set) -> int:
-    """In-place :func:`allreduce_async`: the result is written into ``tensor``."""
-    return _allreduce(tensor, True, name, _api.resolve_op(op, average), prescale_factor,
-                      postscale_factor, process_set)
-
-
-def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-               op: int | None = None, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0,
-               process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """In-place allreduce (not differentiable); returns ``tensor``."""
-    return synchronize(_allreduce(tensor, True, name, _api.resolve_op(op, average),
-                                  prescale_factor, postscale_factor, process_set, sync=True))
-
-
-def _grouped_allreduce(tensors: Sequence[torch.Tensor], inplace: bool, name: str | None,
-                       op: ReduceOp, prescale_factor: float, postscale_factor: float,
-                       process_set: ProcessSet) -> int:
-    tensors = list(tensors)
-    for t in tensors:
-        check_tensor(t, REDUCE_DTYPES)
-    device = _same_device(tensors)
-    hosts = [host_array(t) for t in tensors]
-    h = _api.grouped_allreduce_async(hosts, name=name, op=op, prescale_factor=prescale_factor,
-                                     postscale_factor=postscale_factor,
-                                     process_set=process_set, inplace=inplace,
-                                     device=device.type)
-    if inplace:
-        converts = [_inplace_result(t, a) for t, a in zip(tensors, hosts)]
-        return register(h, lambda outs: [c(o) for c, o in zip(converts, outs)])
-    return register(h, lambda outs: [to_tensor(o, device) for o in outs])
-
-
-def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
-                            name: str | None = None, op: int | None = None,
-                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: ProcessSet = global_process_set) -> int:
-    """Allreduce a list of tensors as one group (names ``<name>_<i>of<n>``); ``synchronize``
-    gives the list of results. All tensors must be on the same device."""
-    return _grouped_allreduce(tensors, False, name, _api.resolve_op(op, average),
-                              prescale_factor, postscale_factor, process_set)
-
-
-def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
-                             name: str | None = None, op: int | None = None,
-                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             process_set: ProcessSet = global_process_set) -> int:
-    """In-place :func:`grouped_allreduce_async`."""
-    return _grouped_allreduce(tensors, True, name, _api.resolve_op(op, average),
-                              prescale_factor, postscale_factor, process_set)
-
-
-def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
-                       name: str | None = None, op: int | None = None,
-                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """In-place grouped allreduce (not differentiable); returns the list of input tensors."""
-    return list(synchronize(_grouped_allreduce(tensors, True, name,
-                                               _api.resolve_op(op, average), prescale_factor,
-                                               postscale_factor, process_set)))
+# Horovod's non-differentiable forms (the differentiable x are in hora.torch.autograd).
+allreduce_ = _spell(_sp.ALLREDUCE, "allreduce_", True, True)
+allreduce_async = _spell(_sp.ALLREDUCE, "allreduce_async", False, False)
+allreduce_async_ = _spell(_sp.ALLREDUCE, "allreduce_async_", True, False)
+grouped_allreduce_ = _spell(_sp.GROUPED_ALLREDUCE, "grouped_allreduce_", True, True)
+grouped_allreduce_async = _spell(_sp.GROUPED_ALLREDUCE, "grouped_allreduce_async", False, False)
+grouped_allreduce_async_ = _spell(_sp.GROUPED_ALLREDUCE, "grouped_allreduce_async_", True,
+                                  False)
+allgather_async = _spell(_sp.ALLGATHER, "allgather_async", False, False)
+grouped_allgather_async = _spell(_sp.GROUPED_ALLGATHER, "grouped_allgather_async", False, False)
+broadcast_ = _spell(_sp.BROADCAST, "broadcast_", True, True)
+broadcast_async = _spell(_sp.BROADCAST, "broadcast_async", False, False)
+broadcast_async_ = _spell(_sp.BROADCAST, "broadcast_async_", True, False)
+alltoall_async = _spell(_sp.ALLTOALL, "alltoall_async", False, False)
+reducescatter_async = _spell(_sp.REDUCESCATTER, "reducescatter_async", False, False)
+grouped_reducescatter_async = _spell(_sp.GROUPED_REDUCESCATTER, "grouped_reducescatter_async",
+                                     False, False)
+reducescatter_op = _sp.reducescatter_op
 
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int | None,
@@ -228,133 +180,6 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int | None,
         return torch.sparse_coo_tensor(i.transpose(0, 1), v, shape, check_invariants=False)
 
     return wait
-
-
-# ---- allgather, broadcast, alltoall, reducescatter ---------------------------------------------
-def allgather_async(tensor: torch.Tensor, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> int:
-    """Start concatenating every member's tensor along dimension 0 (in set rank order; first
-    dimensions may differ, the others must agree). The input is not modified."""
-    check_tensor(tensor, MOVE_DTYPES)
-    h = _api.allgather_async(host_array(tensor), name=name, process_set=process_set,
-                             device=device_kind(tensor))
-    return register(h, lambda out: to_tensor(out, tensor.device))
-
-
-def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
-                            process_set: ProcessSet = global_process_set) -> int:
-    """Allgather each tensor of a list; ``synchronize`` gives the list of results."""
-    tensors = list(tensors)
-    for t in tensors:
-        check_tensor(t, MOVE_DTYPES)
-    device = _same_device(tensors)
-    h = _api.grouped_allgather_async([host_array(t) for t in tensors], name=name,
-                                     process_set=process_set, device=device.type)
-    return register(h, lambda outs: [to_tensor(o, device) for o in outs])
-
-
-def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, inplace: bool,
-               process_set: ProcessSet) -> int:
-    check_tensor(tensor, MOVE_DTYPES)
-    host = host_array(tensor)
-    h = _api.broadcast_async(host, root_rank, name=name, process_set=process_set,
-                             inplace=inplace, device=device_kind(tensor))
-    if inplace:
-        return register(h, _inplace_result(tensor, host))
-    return register(h, lambda out: to_tensor(out, tensor.device))
-
-
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> int:
-    """Start copying ``root_rank``'s tensor (a global rank in the set) to every member; the
-    input is not modified. Shape, dtype and root must agree on every rank."""
-    return _broadcast(tensor, root_rank, name, False, process_set)
-
-
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> int:
-    """In-place :func:`broadcast_async`: the root's values are written into ``tensor``."""
-    return _broadcast(tensor, root_rank, name, True, process_set)
-
-
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-               process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """In-place broadcast (not differentiable); returns ``tensor``."""
-    return synchronize(_broadcast(tensor, root_rank, name, True, process_set))
-
-
-def _split_list(splits: Any) -> list[int] | None:
-    if splits is None:
-        return None
-    if isinstance(splits, torch.Tensor):
-        if splits.dim() != 1:
-            raise ValueError("splits must be a 1-D tensor")
-        if splits.dtype is not torch.int32:
-            raise ValueError(f"splits must be an int32 tensor, not {splits.dtype}")
-        return [int(s) for s in splits.tolist()]
-    return [int(s) for s in splits]
-
-
-def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
-                   process_set: ProcessSet = global_process_set) -> int:
-    """Start sending ``splits[j]`` rows of dimension 0 to set member ``j`` (even split when
-    ``splits`` is None). ``splits``: a 1-D int32 tensor or a list. ``synchronize`` gives
-    ``(received, received_splits)``; ``received_splits`` is int32 on the splits' device."""
-    check_tensor(tensor, MOVE_DTYPES)
-    split_list = _split_list(splits)
-    h = _api.alltoall_async(host_array(tensor), split_list, name=name, process_set=process_set,
-                            device=device_kind(tensor))
-    splits_device = splits.device if isinstance(splits, torch.Tensor) else torch.device("cpu")
-
-    def convert(result: tuple[np.ndarray, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        out, received = result
-        return to_tensor(out, tensor.device), to_tensor(received, splits_device)
-
-    return register(h, convert)
-
-
-def reducescatter_op(op: int | None) -> ReduceOp:
-    """Resolve a reducescatter ``op``; Horovod raises HorovodInternalError for other ops."""
-    resolved = _api.resolve_op(op, None)
-    if resolved not in (ReduceOp.Sum, ReduceOp.Average):
-        raise HorovodInternalError("Reducescatter currently only supports AVERAGE and SUM.")
-    return resolved
-
-
-def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
-                        op: int | None = ReduceOp.Average,
-                        process_set: ProcessSet = global_process_set,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
-    """Start reducing (Sum or Average) across the set, then keep this rank's share of dimension
-    0 (the first ``dim0 % size`` members get one extra row). Shapes must agree on all ranks.
-
-    Raises:
-        HorovodInternalError: an op other than Sum/Average (Horovod's error type).
-        ValueError: a 0-d tensor.
-    """
-    check_tensor(tensor, REDUCE_DTYPES)
-    h = _api.reducescatter_async(host_array(tensor), name=name, op=reducescatter_op(op),
-                                 prescale_factor=prescale_factor,
-                                 postscale_factor=postscale_factor, process_set=process_set,
-                                 device=device_kind(tensor))
-    return register(h, lambda out: to_tensor(out, tensor.device))
-
-
-def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
-                                op: int | None = ReduceOp.Average,
-                                process_set: ProcessSet = global_process_set,
-                                prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> int:
-    """Reducescatter each tensor of a list; ``synchronize`` gives the list of shares."""
-    tensors = list(tensors)
-    for t in tensors:
-        check_tensor(t, REDUCE_DTYPES)
-    device = _same_device(tensors)
-    h = _api.grouped_reducescatter_async(
-        [host_array(t) for t in tensors], name=name, op=reducescatter_op(op),
-        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-        process_set=process_set, device=device.type)
-    return register(h, lambda outs: [to_tensor(o, device) for o in outs])
 
 
 # ---- control ---------------------------------------------------------------------------------
