@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, BinaryIO
 
+from hora._util.shm_names import SHM_DIR, remove_job_segments
 from hora.rendezvous.topology import Slot
 from hora.runner.failures import WorkerFailure, exit_status, signal_name
 
@@ -489,32 +490,13 @@ class _Supervisor:
 
 # ---- shared memory left by killed ranks ---------------------------------------------------------
 
-SHM_DIR = "/dev/shm"
-_JOB_ID = re.compile(r"[A-Za-z0-9_.]{1,64}")
-
-
 def remove_shm_segments(job_id: str | None, shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink ``<shm_dir>/hora-<job_id>-*`` once every rank has exited; returns what was removed.
+    """Unlink ``<shm_dir>/hora-<job_id>-*`` once every rank has exited; returns the names removed.
 
-    Ranks unlink the shared memory segments they own (``hora.transports.shm``, which names them
-    ``hora-<job_id>-...`` with the ``HORA_JOB_ID`` the launcher exports) when they close, but a
-    rank killed with SIGKILL cannot. Ids that are not plain ``[A-Za-z0-9_.]`` are ignored.
+    Ranks unlink the shared memory segments they own when they close, but a rank killed with
+    SIGKILL cannot. The naming rule (and which ids are valid) is :mod:`hora._util.shm_names`'s.
     """
-    if not job_id or not _JOB_ID.fullmatch(job_id):
-        return []
-    prefix = f"hora-{job_id}-"
-    try:
-        names = [n for n in os.listdir(shm_dir) if n.startswith(prefix)]
-    except OSError:
-        return []
-    removed = []
-    for name in names:
-        try:
-            os.unlink(os.path.join(shm_dir, name))
-            removed.append(name)
-        except OSError:
-            pass
-    return removed
+    return [os.path.basename(p) for p in remove_job_segments(job_id, shm_dir)]
 
 
 @contextmanager

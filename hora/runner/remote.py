@@ -6,7 +6,7 @@ so the remote host needs Python but not hora. :func:`main` then reads the second
 object, and either checks the host (``{"check": {...}}``, see :func:`check`) or runs a rank::
 
     {"argv": [...], "env": {...}, "cwd": "...", "grace": 4.0, "rank": 3, "host": "b",
-     "job_id": "..."}
+     "segment_prefix": "hora-<job>-", "live_prefix": "hora-<job>.live."}
 
 Running a rank:
 
@@ -19,7 +19,8 @@ Running a rank:
    connection broke -- or this process gets SIGTERM / SIGHUP / SIGINT, the rank's process group
    gets SIGTERM, then SIGKILL after ``grace`` seconds;
 4. after the rank exits, stop anything it left in its process group, remove the job's
-   ``/dev/shm/hora-<job_id>-*`` segments if this was the job's last rank on this host, and exit
+   ``/dev/shm/<segment_prefix>*`` segments if this was the job's last rank on this host (the
+   names are the launcher's, from :mod:`hora._util.shm_names`: this side knows no rule), and exit
    with the rank's status (128 + N after signal N, with a line on stderr saying which signal).
 
 The job secret arrives inside ``env`` over stdin: it never appears on a command line on either
@@ -184,25 +185,26 @@ class _Rank:
         return proc.returncode
 
 
-def _last_on_host(job_id: str, rank: int, arrive: bool) -> bool:
-    """Mark this rank live on this host (``arrive``) or gone; on leaving, whether it was the
-    job's last rank here. Markers are ``/dev/shm/hora-<job>.live.<rank>``."""
-    if not job_id or not os.path.isdir(_SHM_DIR) or not job_id.replace("_", "").isalnum():
+def _last_on_host(live_prefix: str, rank: int, arrive: bool) -> bool:
+    """Mark this rank live on this host (``arrive``: ``/dev/shm/<live_prefix><rank>``) or gone;
+    on leaving, whether it was the job's last rank here."""
+    if not live_prefix or "/" in live_prefix or not os.path.isdir(_SHM_DIR):
         return False
-    marker = os.path.join(_SHM_DIR, f"hora-{job_id}.live.{rank}")
+    marker = os.path.join(_SHM_DIR, f"{live_prefix}{rank}")
     try:
         if arrive:
             with open(marker, "w"):
                 pass
             return False
         os.unlink(marker)
-        return not any(n.startswith(f"hora-{job_id}.live.") for n in os.listdir(_SHM_DIR))
+        return not any(n.startswith(live_prefix) for n in os.listdir(_SHM_DIR))
     except OSError:
         return False
 
 
-def _remove_segments(job_id: str) -> None:
-    prefix = f"hora-{job_id}-"
+def _remove_segments(prefix: str) -> None:
+    if not prefix or "/" in prefix:
+        return
     try:
         for name in os.listdir(_SHM_DIR):
             if name.startswith(prefix):
@@ -217,10 +219,11 @@ def _remove_segments(job_id: str) -> None:
 def run_rank(spec: dict[str, Any]) -> int:
     """Run one rank as described in the module docstring; returns the exit status."""
     rank = _Rank(spec)
-    job_id = str(spec.get("job_id") or "")
+    live_prefix = str(spec.get("live_prefix") or "")
+    segment_prefix = str(spec.get("segment_prefix") or "")
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(signum, lambda _s, _f: rank.stop.set())
-    _last_on_host(job_id, rank.rank, arrive=True)
+    _last_on_host(live_prefix, rank.rank, arrive=True)
     try:
         failed = rank.start()
         if failed is not None:
@@ -228,8 +231,8 @@ def run_rank(spec: dict[str, Any]) -> int:
         threading.Thread(target=rank.watch_stdin, daemon=True, name="hora-stdin").start()
         code = rank.wait()
     finally:
-        if _last_on_host(job_id, rank.rank, arrive=False):
-            _remove_segments(job_id)
+        if _last_on_host(live_prefix, rank.rank, arrive=False):
+            _remove_segments(segment_prefix)
     if code < 0:
         try:
             name = signal.Signals(-code).name

@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from hora._util import shm_names
 from hora.errors import ConfigError, HostCheckError
 from hora.runner import remote
 
@@ -204,8 +205,11 @@ def rank_request(*, argv: Sequence[str], env: Mapping[str, str], cwd: str, grace
                  rank: int, host: str, job_id: str) -> bytes:
     """What the launcher writes to a remote rank's ssh stdin (then keeps it open until the rank
     should stop). Holds the job secret: never log it."""
+    valid = shm_names.valid_job_id(job_id)  # the names come from the one rule: the far end
     return _request({"argv": list(argv), "env": dict(env), "cwd": cwd, "grace": grace,
-                     "rank": rank, "host": host, "job_id": job_id})
+                     "rank": rank, "host": host,
+                     "segment_prefix": shm_names.segment_prefix(job_id) if valid else "",
+                     "live_prefix": shm_names.live_marker_prefix(job_id) if valid else ""})
 
 
 # ---- the check ---------------------------------------------------------------------------------

@@ -24,97 +24,38 @@ from __future__ import annotations
 import atexit
 import ctypes
 import errno
-import hashlib
 import mmap
 import os
 import platform
-import re
 import sys
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from hora._util.log import get_logger
+from hora._util.shm_names import (  # the naming rule lives there; re-exported (__all__)
+    PREFIX,
+    SHM_DIR,
+    job_id_for,
+    job_id_from_env,
+    job_segments,
+    remove_job_segments,
+    segment_path,
+    valid_job_id,
+)
 from hora.errors import TransportError
 
 log = get_logger(__name__)
 
-SHM_DIR = "/dev/shm"
-"""Where POSIX shared memory lives on Linux (a tmpfs)."""
-
-PREFIX = "hora-"
-"""Every segment hora creates is named ``hora-<job_id>-...`` (what the launcher removes)."""
-
 MIN_CAPACITY = 64 * 1024
 """Smallest data segment: small collectives never regrow it."""
 
-_JOB_ID = re.compile(r"[A-Za-z0-9_.]{1,64}")
 U8 = npt.NDArray[np.uint8]
 
 
-# ---- names and cleanup ---------------------------------------------------------------------
-
-def valid_job_id(job_id: str) -> bool:
-    """Whether ``job_id`` can be used in segment names as is (see :func:`job_id_for`)."""
-    return _JOB_ID.fullmatch(job_id) is not None
-
-
-def job_id_for(env_job_id: str | None, secret: bytes | None) -> str:
-    """The job id used in segment names: ``HORA_JOB_ID`` when usable, else a hash of the secret.
-
-    A usable id is 1-64 characters of ``[A-Za-z0-9_.]`` (no ``-``, so that one job's prefix is
-    never a prefix of another's); anything else is hashed. Every rank of a job gets the same id.
-    """
-    if env_job_id and _JOB_ID.fullmatch(env_job_id):
-        return env_job_id
-    seed = (env_job_id or "").encode() + b"\0" + (secret or b"")
-    return hashlib.sha256(b"hora-shm\0" + seed).hexdigest()[:16]
-
-
-def job_id_from_env(environ: Mapping[str, str] | None = None, secret: bytes | None = None) -> str:
-    """:func:`job_id_for` from ``HORA_JOB_ID`` (exported by ``hora run``) and the job secret."""
-    env = os.environ if environ is None else environ
-    if secret is None and env.get("HORA_SECRET_KEY"):
-        try:
-            secret = bytes.fromhex(env["HORA_SECRET_KEY"])
-        except ValueError:
-            secret = env["HORA_SECRET_KEY"].encode()
-    return job_id_for(env.get("HORA_JOB_ID"), secret)
-
-
-def segment_path(job_id: str, group: str, rank: int, kind: str) -> str:
-    """``/dev/shm/hora-<job_id>-<group>-<rank>-<kind>``."""
-    return os.path.join(SHM_DIR, f"{PREFIX}{job_id}-{group}-{rank}-{kind}")
-
-
-def job_segments(job_id: str) -> list[str]:
-    """Paths of every segment of ``job_id`` that exists now."""
-    if not _JOB_ID.fullmatch(job_id):
-        return []
-    start = f"{PREFIX}{job_id}-"
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return []
-    return sorted(os.path.join(SHM_DIR, n) for n in names if n.startswith(start))
-
-
-def remove_job_segments(job_id: str) -> list[str]:
-    """Unlink every segment of ``job_id`` (ranks that were killed leave theirs); returns them."""
-    removed = []
-    for path in job_segments(job_id):
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("could not remove shared memory segment %s: %s", path, exc)
-    return removed
-
+# ---- names and cleanup: hora/_util/shm_names.py ------------------------------------------
 
 _OWNED: dict[str, int] = {}
 """Segments this process created and has not unlinked yet -> the creating pid."""

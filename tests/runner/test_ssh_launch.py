@@ -83,7 +83,11 @@ def test_the_request_carries_the_environment_and_never_the_command_line() -> Non
     assert json.loads(source).startswith('"""The far end of a rank started over ssh')
     assert json.loads(body) == {"argv": ["python", "train.py"],
                                 "env": {"HORA_SECRET_KEY": secret}, "cwd": "/w", "grace": 2.0,
-                                "rank": 1, "host": "b", "job_id": "j1"}
+                                "rank": 1, "host": "b", "segment_prefix": "hora-j1-",
+                                "live_prefix": "hora-j1.live."}
+    bad = ssh.rank_request(argv=["x"], env={}, cwd="/w", grace=2.0, rank=1, host="b",
+                           job_id="../etc")  # not a job id: the far end cleans nothing
+    assert json.loads(bad.decode().splitlines()[1])["segment_prefix"] == ""
     assert secret not in " ".join(ssh.rank_argv("b", 1, PY, ssh.SshOptions()))
 
 
