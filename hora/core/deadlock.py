@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import re
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from hora._util.log import get_logger
 from hora.config import Config
+from hora.core.entry import Entry
 from hora.core.handle import BLOCKED_AFTER_S
-from hora.core.messages import ERROR_DEADLOCK, OpKind, Response
+from hora.core.messages import ERROR_DEADLOCK, OpKind, Response, Wait
 from hora.core.process_set import Registry
 
 log = get_logger(__name__)
@@ -38,6 +41,38 @@ Key = tuple[int, str]
 
 _GROUP_MEMBER = re.compile(r"^(.*)_(\d+)of(\d+)$")
 """A member of a grouped op: ``grouped_allreduce.<base>_<i>of<n>`` (hora.core.api)."""
+
+
+LANE_FLUSH = "<fast lane flush>"
+"""The op name of a wait for this rank's fast-lane log to drain (before a join)."""
+
+
+class WaitReports:
+    """Every rank's side: waits that lasted ``BLOCKED_AFTER_S`` (and their ends), queued by user
+    threads and sent by the engine thread, behind the requests it has queued, so the
+    coordinator never sees a wait before the op."""
+
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
+        self._queue: deque[Wait] = deque()
+
+    def watch(self, entry: Entry, blocked: bool) -> None:
+        """A user thread has waited for ``entry`` (``blocked``), or that wait ended."""
+        req = entry.request
+        self._queue.append((blocked, req.set_id, req.name, entry.handle.driver is not None))
+        self._wake()
+
+    def watch_flush(self, set_id: int, blocked: bool) -> None:
+        """A join / remove_process_set waits for this rank's fast-lane log of ``set_id``."""
+        self._queue.append((blocked, set_id, LANE_FLUSH, True))
+        self._wake()
+
+    def drain(self) -> list[Wait]:
+        """The reports queued so far (engine thread)."""
+        out = []
+        while self._queue:
+            out.append(self._queue.popleft())
+        return out
 
 
 class PendingOps(Protocol):

@@ -26,6 +26,7 @@ from collections import deque
 from hora._util.log import get_logger
 from hora.config import Config
 from hora.core.coordinator import Coordinator
+from hora.core.deadlock import WaitReports
 from hora.core.entry import Entry
 from hora.core.executor import Executor
 from hora.core.fastlane import FastLane
@@ -62,9 +63,6 @@ _DUPLICATE = ("Requested to allreduce, allgather, or broadcast a tensor with the
               "another tensor that is currently being processed.")
 
 
-LANE_FLUSH = "<fast lane flush>"
-"""The op name of a wait for this rank's fast-lane log to drain (before a join)."""
-
 ABORT_GATHER_SECONDS = 0.5
 """On a local failure, how long to listen for other ranks' reasons before failing the ops."""
 
@@ -97,11 +95,11 @@ class Engine:
         self._executor = Executor(transport.comm(), registry, config, self.timeline,
                                   hostnames=hostnames, job_id=job_id,
                                   on_allreduce=self._on_allreduce)
+        self._reports = WaitReports(transport.wake)  # this rank's long waits, for rank 0
         self._lanes = Lanes(transport, registry, config, hostnames, job_id, self._requeue,
-                            self._lane_failed, self._watch_flush)
+                            self._lane_failed, self._reports.watch_flush)
         self._lane_error: BaseException | None = None
         self._coordinator = Coordinator(registry, config) if self.rank == 0 else None
-        self._waits: deque[tuple[bool, int, str, bool]] = deque()  # wait reports to send
         self._stop = threading.Event()
         self._error: HoraInternalError | None = None
         self._departed: set[int] = set()
@@ -132,7 +130,7 @@ class Engine:
                                  "in-flight op a distinct name=)")
             self._names.add(key)
         entry.handle.add_done_callback(lambda h: self._release(key, h), early=True)
-        entry.handle.watch = functools.partial(self._watch, entry)
+        entry.handle.watch = functools.partial(self._reports.watch, entry)
         kind = entry.request.kind
         if kind is OpKind.ALLREDUCE:
             if self._lanes.take(entry):
@@ -144,25 +142,10 @@ class Engine:
         self._queue.append(entry)
         self.transport.wake()
 
-    def _watch(self, entry: Entry, blocked: bool) -> None:
-        """A user thread has waited ``BLOCKED_AFTER_S`` for ``entry`` (``blocked``), or that
-        wait ended: tell the coordinator (through the engine thread, after the requests it
-        has queued, so the coordinator never sees a wait before the op)."""
-        req = entry.request
-        self._waits.append((blocked, req.set_id, req.name, entry.handle.driver is not None))
-        self.transport.wake()
-
-    def _watch_flush(self, set_id: int, blocked: bool) -> None:
-        """A join / remove_process_set waits for this rank's fast-lane log to drain."""
-        self._waits.append((blocked, set_id, LANE_FLUSH, True))
-        self.transport.wake()
-
     def _send_waits(self) -> bool:
-        if not self._waits:
+        updates = self._reports.drain()
+        if not updates:
             return False
-        updates = []
-        while self._waits:
-            updates.append(self._waits.popleft())
         if self._coordinator is not None:
             for blocked, set_id, name, lane in updates:
                 self._coordinator.deadlocks.waiting(0, blocked, set_id, name, lane)
