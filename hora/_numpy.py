@@ -27,16 +27,17 @@ from hora.collectives.ops import (
 )
 from hora.core import api as _api
 from hora.core import context as _context
+from hora.core import objects as _objects
 from hora.core import spellings as _sp
 from hora.core.api import (
     add_process_set,
-    allgather_object,
     poll,
     remove_process_set,
     synchronize,
 )
 from hora.core.context import init, is_initialized, shutdown
 from hora.core.handle import Handle
+from hora.core.objects import allgather_object
 from hora.core.process_set import ProcessSet, global_process_set
 from hora.errors import (
     HoraError,
@@ -150,6 +151,8 @@ def stop_timeline() -> None:
 class _NumpyBridge:
     """The numpy side of :mod:`hora.core.spellings`: arrays are the core's own buffers."""
 
+    passthrough = True
+
     def host(self, tensor: Any, table: str) -> _sp.Host:
         return _sp.Host(tensor if isinstance(tensor, np.ndarray) else np.asarray(tensor), "cpu",
                         tensor)
@@ -216,7 +219,7 @@ def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Return a copy of ``root_rank``'s picklable object on every rank."""
-    return _api.broadcast_object(obj, root_rank, name=name, process_set=process_set)
+    return _objects.broadcast_object(obj, root_rank, name=name, process_set=process_set)
 
 
 __all__ = [

@@ -35,6 +35,17 @@ def request_signature(r: Request) -> Signature:
     return signature(r.kind, r.dtype, r.device, r.shape, r.op, r.prescale, r.postscale, r.root)
 
 
+def agrees(sig: Signature, r: Request) -> bool:
+    """``request_signature(r) == sig``, without building the tuple (the fast lane's hit test
+    runs this for every allreduce)."""
+    kind, dtype, device, dims, ndim, op, prescale, postscale, root = sig
+    shape = r.shape
+    return (r.kind is kind and r.dtype == dtype and r.device == device and len(shape) == ndim
+            and r.op == op and r.prescale == prescale and r.postscale == postscale
+            and r.root == root
+            and tuple(shape[1:] if kind in _FIRST_DIM_FREE else shape) == dims)
+
+
 def response_signature(resp: Response, index: int = 0) -> Signature:
     """:func:`signature` of the agreed request behind ``resp.names[index]`` (for the fast
     lane's cache: a later request is a hit only if its signature equals this)."""

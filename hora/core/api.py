@@ -18,8 +18,6 @@ Contract shared by every collective:
 
 from __future__ import annotations
 
-import io
-import pickle
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,11 +30,7 @@ from hora.core.entry import Entry
 from hora.core.handle import Handle
 from hora.core.messages import OpKind, Request
 from hora.core.process_set import ProcessSet, global_process_set
-
-try:
-    import cloudpickle as _pickler
-except ImportError:  # pragma: no cover - cloudpickle is optional
-    _pickler = pickle
+from hora.errors import HorovodInternalError
 
 
 def resolve_op(op: int | None, average: bool | None) -> ReduceOp:
@@ -55,14 +49,23 @@ def resolve_op(op: int | None, average: bool | None) -> ReduceOp:
     return ReduceOp.Average if op is None else ReduceOp(op)
 
 
-def _set_ranks(ctx: context.Context, process_set: ProcessSet) -> tuple[int, list[int]]:
+def reducescatter_op(op: int | None) -> ReduceOp:
+    """Resolve a reducescatter ``op`` (None: Average); others than Sum / Average raise
+    HorovodInternalError, as Horovod does."""
+    resolved = resolve_op(op, None)
+    if resolved not in (ReduceOp.Sum, ReduceOp.Average):
+        raise HorovodInternalError("Reducescatter currently only supports AVERAGE and SUM.")
+    return resolved
+
+
+def _set_ranks(ctx: context.Context, process_set: ProcessSet) -> tuple[int, tuple[int, ...]]:
     set_id = process_set.process_set_id
-    ranks = None if set_id is None else ctx.engine.registry.ranks(set_id)
+    ranks = None if set_id is None else ctx.engine.registry.members(set_id)
     if set_id is None or ranks is None:
         raise ValueError("Process set provided does not exist, or has not been registered.")
     if ctx.rank not in ranks:
         raise ValueError(f"Rank {ctx.rank} is not a member of the provided process set "
-                         f"{ranks}.")
+                         f"{list(ranks)}.")
     return set_id, ranks
 
 
@@ -80,7 +83,7 @@ def _contiguous(tensor: Any, what: str) -> np.ndarray:
 def _submit(ctx: context.Context, request: Request, tensor: np.ndarray,
             output: np.ndarray | None, finish: Callable[[Any], Any] | None = None,
             sync: bool = False) -> Handle:
-    handle = Handle(request.name)
+    handle = Handle(request.name, request.set_id)
     ctx.engine.submit(Entry(request=request, tensor=tensor, output=output, handle=handle,
                             finish=finish, sync=sync))
     return handle
@@ -168,20 +171,21 @@ def _join_handles(name: str, members: list[Handle]) -> Handle:
 
     for m in members:
         m.add_done_callback(one_done)
-    reported: list[Callable[[bool], None]] = []
+    reported: list[tuple[Callable[[Handle, bool], None], Handle]] = []
 
-    def watch(blocked: bool) -> None:
+    def watch(_group: Handle, blocked: bool) -> None:
         """A wait on the group is a wait on its first unfinished member (deadlock detection);
         the member's own watch is kept, since a finished member's handle drops it."""
         if blocked:
             for m in members:
                 member_watch = m.watch
                 if not m.done() and member_watch is not None:
-                    reported.append(member_watch)
-                    member_watch(True)
+                    reported.append((member_watch, m))
+                    member_watch(m, True)
                     return
         elif reported:
-            reported.pop()(False)
+            member_watch, member = reported.pop()
+            member_watch(member, False)
 
     group.watch = watch
     return group
@@ -211,7 +215,7 @@ def broadcast_async(tensor: Any, root_rank: int, *, name: str | None = None,
     set_id, ranks = _set_ranks(ctx, process_set)
     if root_rank not in ranks:
         raise ValueError(f"broadcast received invalid root rank {root_rank}: process set has "
-                         f"ranks {ranks}")
+                         f"ranks {list(ranks)}")
     original = tensor
     work = _contiguous(tensor, "broadcast input")
     finish = _writeback(original, work) if inplace and isinstance(original, np.ndarray) else None
@@ -265,9 +269,7 @@ def reducescatter_async(tensor: Any, *, name: str | None = None, op: int = Reduc
     ``dim0 % size`` ranks get one extra row). Ops: Sum and Average."""
     ctx = context.get("reducescatter")
     set_id, _ = _set_ranks(ctx, process_set)
-    op = ReduceOp(op)
-    if op not in (ReduceOp.Sum, ReduceOp.Average):
-        raise ValueError("Reducescatter currently only supports AVERAGE and SUM.")
+    op = reducescatter_op(op)
     work = _contiguous(tensor, "reducescatter input")
     if work.ndim == 0:
         raise ValueError("Reducescatter does not support scalar inputs: reducescatter needs a "
@@ -431,42 +433,3 @@ def synchronize(handle: int, timeout: float | None = None) -> Any:
     if h is None:
         return None
     return h.wait(timeout)
-
-
-# ---- object collectives --------------------------------------------------------------------
-def broadcast_object(obj: Any, root_rank: int = 0, *, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> Any:
-    """Pickle ``obj`` on ``root_rank`` and return a copy of it on every member of the set."""
-    ctx = context.get("broadcast_object")
-    base = ctx.engine.names.base("broadcast_object", name, process_set.process_set_id or 0)
-    payload = np.frombuffer(_dumps(obj), np.uint8) if ctx.rank == root_rank else None
-    size = np.array([0 if payload is None else payload.size], dtype=np.int64)
-    size = broadcast_async(size, root_rank, name=f"broadcast_object.{base}.size",
-                           process_set=process_set).wait()
-    buf = payload if payload is not None else np.empty(int(size[0]), np.uint8)
-    data = broadcast_async(buf, root_rank, name=f"broadcast_object.{base}.data",
-                           process_set=process_set).wait()
-    return obj if ctx.rank == root_rank else pickle.loads(data.tobytes())
-
-
-def allgather_object(obj: Any, *, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> list[Any]:
-    """Pickle ``obj`` on every rank; return the list of all ranks' objects in rank order."""
-    ctx = context.get("allgather_object")
-    base = ctx.engine.names.base("allgather_object", name, process_set.process_set_id or 0)
-    payload = np.frombuffer(_dumps(obj), np.uint8)
-    sizes = allgather_async(np.array([payload.size], np.int64),
-                            name=f"allgather_object.{base}.size", process_set=process_set).wait()
-    data = allgather_async(payload, name=f"allgather_object.{base}.data",
-                           process_set=process_set).wait()
-    out, offset = [], 0
-    for n in sizes.tolist():
-        out.append(pickle.loads(data[offset:offset + n].tobytes()))
-        offset += n
-    return out
-
-
-def _dumps(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    _pickler.dump(obj, buf)
-    return buf.getvalue()

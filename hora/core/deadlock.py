@@ -29,8 +29,7 @@ from typing import Protocol
 
 from hora._util.log import get_logger
 from hora.config import Config
-from hora.core.entry import Entry
-from hora.core.handle import BLOCKED_AFTER_S
+from hora.core.handle import BLOCKED_AFTER_S, Handle
 from hora.core.messages import ERROR_DEADLOCK, OpKind, Response, Wait
 from hora.core.process_set import Registry
 
@@ -56,10 +55,9 @@ class WaitReports:
         self._wake = wake
         self._queue: deque[Wait] = deque()
 
-    def watch(self, entry: Entry, blocked: bool) -> None:
-        """A user thread has waited for ``entry`` (``blocked``), or that wait ended."""
-        req = entry.request
-        self._queue.append((blocked, req.set_id, req.name, entry.handle.driver is not None))
+    def watch(self, handle: Handle, blocked: bool) -> None:
+        """A user thread has waited for ``handle``'s op (``blocked``), or that wait ended."""
+        self._queue.append((blocked, handle.set_id, handle.name, handle.driver is not None))
         self._wake()
 
     def watch_flush(self, set_id: int, blocked: bool) -> None:

@@ -18,13 +18,13 @@ rank fails with the cause, and rank 0 tells every other rank to do the same.
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections import deque
 
 from hora._util.log import get_logger
 from hora.config import Config
+from hora.core import trace
 from hora.core.coordinator import Coordinator
 from hora.core.deadlock import WaitReports
 from hora.core.entry import Entry
@@ -54,7 +54,7 @@ from hora.core.naming import AutoNames
 from hora.core.process_set import Registry
 from hora.core.routing import Route
 from hora.errors import HoraError, HoraInternalError, PeerLostError, ShutdownError
-from hora.timeline.writer import QUEUE, Timeline
+from hora.timeline.writer import Timeline
 from hora.transports.base import Transport
 
 log = get_logger(__name__)
@@ -86,7 +86,7 @@ class Engine:
         self.rank = transport.rank
         self.size = transport.size
         self._queue: deque[Entry] = deque()
-        self._names: set[tuple[int, str]] = set()
+        self._names: dict[int, set[str]] = {}  # set -> names of its ops in flight
         self._names_lock = threading.Lock()
         self.names = AutoNames()  # automatic op names (user threads; resynced on errors)
         self._pending: dict[int, dict[str, Entry]] = {}  # set -> name -> op; engine thread only
@@ -96,6 +96,8 @@ class Engine:
                                   hostnames=hostnames, job_id=job_id,
                                   on_allreduce=self._on_allreduce)
         self._reports = WaitReports(transport.wake)  # this rank's long waits, for rank 0
+        self._watch = self._reports.watch
+        self._release_done = self._release  # bound once: every op shares it
         self._lanes = Lanes(transport, registry, config, hostnames, job_id, self._requeue,
                             self._lane_failed, self._reports.watch_flush)
         self._lane_error: BaseException | None = None
@@ -104,6 +106,7 @@ class Engine:
         self._error: HoraInternalError | None = None
         self._departed: set[int] = set()
         self._executing = False  # True while a collective runs (left True if it failed)
+        self._drained = False  # the thread has failed every op and reads no more submissions
         # Heartbeats: control peers must be heard from within heartbeat_timeout_seconds.
         self._hb_timeout = config.heartbeat_timeout_seconds
         now = time.monotonic()
@@ -118,19 +121,20 @@ class Engine:
 
     def submit(self, entry: Entry) -> None:
         """Queue an op. Raises ValueError for a duplicate in-flight name, or the engine's error."""
-        if self._error is not None:
-            raise type(self._error)(str(self._error))
-        if self._stop.is_set():
-            raise ShutdownError("Horovod has been shut down. This was caused by an exception on "
-                                "one of the ranks or an attempt to use an op after shutdown().")
-        key = (entry.request.set_id, entry.request.name)
+        if self._error is not None or self._stop.is_set():
+            raise self._final_error()
+        req = entry.request
         with self._names_lock:
-            if key in self._names:
-                raise ValueError(f"{_DUPLICATE} (name: '{entry.request.name}'; give each "
-                                 "in-flight op a distinct name=)")
-            self._names.add(key)
-        entry.handle.add_done_callback(lambda h: self._release(key, h), early=True)
-        entry.handle.watch = functools.partial(self._reports.watch, entry)
+            names = self._names.get(req.set_id)
+            if names is None:
+                names = self._names[req.set_id] = set()
+            if req.name in names:
+                raise ValueError(f"{_DUPLICATE} (name: '{req.name}'; give each in-flight op a "
+                                 "distinct name=)")
+            names.add(req.name)
+        entry.handle.set_id = req.set_id
+        entry.handle.add_done_callback(self._release_done, early=True)  # shared: no closure
+        entry.handle.watch = self._watch  # one bound method for every op (no allocation)
         kind = entry.request.kind
         if kind is OpKind.ALLREDUCE:
             if self._lanes.take(entry):
@@ -139,8 +143,23 @@ class Engine:
             self._lanes.before_join(kind, entry.request.set_id)
         elif kind is OpKind.REMOVE_PROCESS_SET:
             self._lanes.before_join(kind, entry.request.root)
+        self._enqueue(entry)
+
+    def _enqueue(self, entry: Entry) -> None:
+        """Hand ``entry`` to the engine thread. If that thread has already failed or drained
+        every op (it stopped after this call's checks), fail the entry here: it must never sit
+        in a queue nobody reads. (``_fail_all`` sets ``_drained`` before it drains, so either it
+        sees the entry, or this check sees the flag; failing twice is harmless.)"""
         self._queue.append(entry)
         self.transport.wake()
+        if self._drained:
+            entry.handle.set_error(self._final_error())
+
+    def _final_error(self) -> HoraInternalError:
+        error = self._error or ShutdownError(
+            "Horovod has been shut down. This was caused by an exception on one of the ranks or "
+            "an attempt to use an op after shutdown().")
+        return type(error)(str(error))
 
     def _send_waits(self) -> bool:
         updates = self._reports.drain()
@@ -170,8 +189,7 @@ class Engine:
             entry.handle.set_error(self._error or ShutdownError(
                 "Horovod has been shut down before this op ran."))
             return
-        self._queue.append(entry)
-        self.transport.wake()
+        self._enqueue(entry)
 
     def _lane_failed(self, error: BaseException) -> None:
         """A fast lane collective failed (lane thread): the engine thread aborts the job."""
@@ -187,10 +205,11 @@ class Engine:
         """The set's fast lane, if it has one (tests, benchmarks)."""
         return self._lanes.get(set_id)
 
-    def _release(self, key: tuple[int, str], handle: Handle) -> None:
+    def _release(self, handle: Handle) -> None:
+        """The op is done: its name is free (before any waiter wakes: a loop may reuse it)."""
         with self._names_lock:
-            self._names.discard(key)
-        handle.watch = None  # (it holds the op's entry; a waiter keeps its own reference)
+            self._names[handle.set_id].discard(handle.name)
+        handle.watch = None  # (a waiter keeps its own reference to report the end)
 
     def data_path(self, set_id: int = 0) -> str | None:
         """The data path the set's collectives use (after its first one), for logs/benchmarks."""
@@ -259,9 +278,7 @@ class Engine:
         finally:
             self._lanes.stop_all(self._error)
             self._executor.close()  # unmap and unlink this rank's shared memory
-            self._fail_all(self._error or ShutdownError(
-                "Horovod has been shut down. This was caused by an exception on one of the "
-                "ranks or an attempt to use an op after shutdown()."))
+            self._fail_all(self._final_error())
 
     def _heartbeat(self) -> None:
         """Send our heartbeat when due; declare a control peer lost after a silent timeout."""
@@ -290,7 +307,7 @@ class Engine:
         if not requests:
             return False
         if self._coordinator is not None:
-            self._timeline_ready(requests)
+            trace.negotiation_ready(self.timeline, self.registry, requests)
             self._coordinator.add(requests)
         else:
             if self.timeline.recording:  # per-rank files: this rank's own wait for the others
@@ -298,34 +315,6 @@ class Engine:
                     self.timeline.negotiate_start(req.name, req.kind)
             self.transport.send_control(0, encode(MSG_REQUESTS, reqs=requests))
         return True
-
-    def _timeline_ready(self, requests: list[Request]) -> None:
-        """Rank 0: one readiness tick per request (rank within its process set)."""
-        tl = self.timeline
-        if not tl.recording:
-            return
-        for req in requests:
-            if req.kind is OpKind.JOIN:
-                continue
-            members = self.registry.ranks(req.set_id) or []
-            rank = members.index(req.rank) if req.rank in members else req.rank
-            tl.negotiate_rank_ready(req.name, rank, req.kind)
-
-    def _timeline_begin(self, responses: list[Response]) -> None:
-        """Negotiation is over: each op starts (waiting in QUEUE until it runs) or failed."""
-        tl = self.timeline
-        if not tl.recording:
-            return
-        for resp in responses:
-            if resp.kind is OpKind.JOIN:
-                continue
-            for name in resp.names:
-                tl.negotiate_end(name)
-                if resp.kind is OpKind.ERROR:
-                    tl.error(name, resp.error)
-                else:
-                    tl.op_start(name, resp.kind)
-                    tl.activity_start(name, QUEUE)
 
     def _receive(self, wait: float | None) -> bool:
         """Handle every control message available; block up to ``wait`` for the first.
@@ -355,10 +344,10 @@ class Engine:
             elif kind == MSG_REQUESTS and self._coordinator is not None:
                 for req in body["reqs"]:
                     req.rank = sender  # the authenticated connection says who sent it
-                self._timeline_ready(body["reqs"])
+                trace.negotiation_ready(self.timeline, self.registry, body["reqs"])
                 self._coordinator.add(body["reqs"])
             elif kind == MSG_RESPONSES and self._coordinator is None:
-                self._timeline_begin(body["resps"])
+                trace.negotiation_done(self.timeline, body["resps"])
                 self._execute(body["resps"])
             elif kind == MSG_WAITS and self._coordinator is not None:
                 for blocked, set_id, name, lane in parse_waits(body):
@@ -386,7 +375,7 @@ class Engine:
         """Rank 0: send responses to the members that must run them, then run them here."""
         if not responses:
             return False
-        self._timeline_begin(responses)
+        trace.negotiation_done(self.timeline, responses)
         by_peer: dict[int, list[Response]] = {}
         for resp in responses:
             members = self.registry.ranks(resp.set_id) or []
@@ -489,6 +478,7 @@ class Engine:
         return reasons
 
     def _fail_all(self, error: HoraInternalError) -> None:
+        self._drained = True  # before draining: see _enqueue
         while self._queue:
             entry = self._queue.popleft()
             self._pending.setdefault(entry.request.set_id, {})[entry.request.name] = entry

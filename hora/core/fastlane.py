@@ -57,8 +57,8 @@ from hora.config import Config
 from hora.core.agreement import (
     FusionKey,
     Signature,
+    agrees,
     fusion_key,
-    request_signature,
     response_signature,
 )
 from hora.core.entry import Entry
@@ -256,7 +256,7 @@ class FastLane:
                 return False
             slot = self._by_name.get(req.name)
             hit = (slot is not None and entry.output is not None
-                   and slot.signature == request_signature(req))
+                   and agrees(slot.signature, req))
             count = self._count
             if count - self._floor >= LOG_CAPACITY // 2:  # (a stale floor only over-counts)
                 self._floor = count - self._backlog(count)

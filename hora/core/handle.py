@@ -26,10 +26,11 @@ class Handle:
     """
 
     __slots__ = ("_callbacks", "_done", "_early", "_error", "_gate", "_lock", "_result", "driver",
-                 "name", "watch")
+                 "name", "set_id", "watch")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, set_id: int = 0) -> None:
         self.name = name
+        self.set_id = set_id  # the op's process set (for wait reports)
         self._done = False
         self._gate = threading.Lock()  # held until done: waiters block on it (cheaper than Event)
         self._gate.acquire()
@@ -42,7 +43,7 @@ class Handle:
         self.driver: Callable[[Callable[[], bool], float | None], None] | None = None
         # Told True when a wait has lasted BLOCKED_AFTER_S, False when that wait ends: the
         # engine reports blocked ranks to the coordinator, which detects certain deadlocks.
-        self.watch: Callable[[bool], None] | None = None
+        self.watch: Callable[[Handle, bool], None] | None = None
 
     def done(self) -> bool:
         """True once the op has finished (successfully or not)."""
@@ -71,12 +72,12 @@ class Handle:
             elif self._wait_done(BLOCKED_AFTER_S):
                 finished = True
             else:
-                watch(True)
+                watch(self, True)
                 try:
                     finished = self._wait_done(None if timeout is None
                                                else timeout - BLOCKED_AFTER_S)
                 finally:
-                    watch(False)
+                    watch(self, False)
             if not finished:
                 raise HoraTimeoutError(
                     f"op '{self.name}' did not finish within {timeout} s; it is still pending. "

@@ -29,7 +29,6 @@ from hora.core import api
 from hora.core import context as _context
 from hora.core.handle import DerivedHandle, Handle
 from hora.core.process_set import ProcessSet, global_process_set
-from hora.errors import HorovodInternalError
 
 REDUCE, MOVE = "reduce", "move"
 """Dtype tables a family checks: reductions (allreduce, reducescatter) or data movement
@@ -47,6 +46,9 @@ class Host:
 
 class Bridge(Protocol):
     """How an adapter's tensors cross into the core and back."""
+
+    passthrough: bool
+    """True when :meth:`result` and :meth:`written` return the core's result unchanged."""
 
     def host(self, tensor: Any, table: str) -> Host:
         """Check ``tensor`` against dtype table ``table`` (:data:`REDUCE` / :data:`MOVE`) and
@@ -95,7 +97,13 @@ class Family:
 
 
 # ---- the families -----------------------------------------------------------------------------
+def _identity(out: Any) -> Any:
+    return out
+
+
 def _one(bridge: Bridge, host: Host, inplace: bool) -> Convert:
+    if bridge.passthrough:  # results are already what the caller gets: no closure per op
+        return _identity
     if inplace:
         return lambda out: bridge.written(host, out)
     return lambda out: bridge.result(host, out)
@@ -105,15 +113,6 @@ def _many(bridge: Bridge, hosts: list[Host], inplace: bool) -> Convert:
     if inplace:
         return lambda outs: [bridge.written(h, o) for h, o in zip(hosts, outs)]
     return lambda outs: [bridge.result(h, o) for h, o in zip(hosts, outs)]
-
-
-def reducescatter_op(op: int | None) -> ReduceOp:
-    """Resolve a reducescatter ``op``; other ops than Sum / Average raise HorovodInternalError,
-    as Horovod does."""
-    resolved = api.resolve_op(op, None)
-    if resolved not in (ReduceOp.Sum, ReduceOp.Average):
-        raise HorovodInternalError("Reducescatter currently only supports AVERAGE and SUM.")
-    return resolved
 
 
 def _allreduce_proto(tensor: Any, average: bool | None = None, name: str | None = None,
@@ -204,7 +203,7 @@ def _reducescatter(bridge: Bridge, inplace: bool, sync: bool, tensor: Any, name:
                    op: int | None, process_set: ProcessSet, prescale_factor: float,
                    postscale_factor: float) -> tuple[Handle, Convert]:
     host = bridge.host(tensor, REDUCE)
-    h = api.reducescatter_async(host.array, name=name, op=reducescatter_op(op),
+    h = api.reducescatter_async(host.array, name=name, op=api.reducescatter_op(op),
                                 prescale_factor=prescale_factor,
                                 postscale_factor=postscale_factor, process_set=process_set,
                                 device=host.device)
@@ -217,7 +216,7 @@ def _grouped_reducescatter(bridge: Bridge, inplace: bool, sync: bool, tensors: S
                            postscale_factor: float) -> tuple[Handle, Convert]:
     hosts, device = bridge.hosts(tensors, REDUCE)
     h = api.grouped_reducescatter_async([x.array for x in hosts], name=name,
-                                        op=reducescatter_op(op),
+                                        op=api.reducescatter_op(op),
                                         prescale_factor=prescale_factor,
                                         postscale_factor=postscale_factor,
                                         process_set=process_set, device=device)
@@ -314,4 +313,4 @@ def spell(bridge: Bridge, family: Family, public: str, *, inplace: bool, wait: b
 
 __all__ = ["ALLGATHER", "ALLREDUCE", "ALLTOALL", "BROADCAST", "GROUPED_ALLGATHER",
            "GROUPED_ALLREDUCE", "GROUPED_REDUCESCATTER", "MOVE", "REDUCE", "REDUCESCATTER",
-           "Bridge", "Family", "Host", "reducescatter_op", "register", "run", "spell"]
+           "Bridge", "Family", "Host", "register", "run", "spell"]

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hora.core import api as _api
+from hora.core import objects as _objects
 from hora.core.process_set import ProcessSet, global_process_set
 from hora.torch import ops
 
@@ -127,7 +127,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
-    root_has_state = _api.broadcast_object(_has_state(optimizer), root_rank,
+    root_has_state = _objects.broadcast_object(_has_state(optimizer), root_rank,
                                            name="broadcast_optimizer_state.has_state",
                                            process_set=process_set)
     if not _has_state(optimizer):
@@ -153,7 +153,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                 else:
                     scalars[(pid, name)] = value
     broadcast_parameters(tensors, root_rank, process_set=process_set)
-    synced_options, synced_scalars = _api.broadcast_object(
+    synced_options, synced_scalars = _objects.broadcast_object(
         (options, scalars), root_rank, name="broadcast_optimizer_state", process_set=process_set)
     for (index, key), value in synced_options.items():
         optimizer.param_groups[index][key] = value
@@ -171,10 +171,10 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     """Return ``root_rank``'s (cloud)pickled ``obj`` on every member (the root gets its own
     object back). ``name`` defaults to an automatic, call-order name (Horovod used the object's
     type name, which hangs when ranks pass objects of different types, e.g. ``None``)."""
-    return _api.broadcast_object(obj, root_rank, name=name, process_set=process_set)
+    return _objects.broadcast_object(obj, root_rank, name=name, process_set=process_set)
 
 
 def allgather_object(obj: Any, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Return every member's (cloud)pickled ``obj`` as a list in rank order."""
-    return _api.allgather_object(obj, name=name, process_set=process_set)
+    return _objects.allgather_object(obj, name=name, process_set=process_set)

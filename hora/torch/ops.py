@@ -88,6 +88,8 @@ def to_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
 class _TorchBridge:
     """torch tensors <-> the core's host buffers, for :mod:`hora.core.spellings`."""
 
+    passthrough = False
+
     def host(self, tensor: Any, table: str) -> _sp.Host:
         t = check_tensor(tensor, REDUCE_DTYPES if table == _sp.REDUCE else MOVE_DTYPES)
         return _sp.Host(host_array(t), device_kind(t), t)
@@ -155,7 +157,7 @@ alltoall_async = _spell(_sp.ALLTOALL, "alltoall_async", False, False)
 reducescatter_async = _spell(_sp.REDUCESCATTER, "reducescatter_async", False, False)
 grouped_reducescatter_async = _spell(_sp.GROUPED_REDUCESCATTER, "grouped_reducescatter_async",
                                      False, False)
-reducescatter_op = _sp.reducescatter_op
+reducescatter_op = _api.reducescatter_op
 
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int | None,

@@ -24,9 +24,9 @@ import torch
 import hora
 from hora._util.log import get_logger
 from hora.collectives.ops import ReduceOp
-from hora.core import api as _api
 from hora.core import context as _context
 from hora.core import distopt
+from hora.core import objects as _objects
 from hora.core.process_set import ProcessSet, global_process_set
 from hora.torch import ops
 from hora.torch.compression import Compression, Compressor
@@ -106,7 +106,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _make_groups(self, trainable: list[torch.Tensor], groups: Any) -> None:
         if isinstance(groups, int):
             # Every rank must form the same groups: order parameters as the first member does.
-            names = _api.broadcast_object([self._parameter_names[p] for p in trainable],
+            names = _objects.broadcast_object([self._parameter_names[p] for p in trainable],
                                           self.process_set.ranks[0],
                                           name="DistributedOptimizer.groups",
                                           process_set=self.process_set)
