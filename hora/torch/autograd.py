@@ -29,19 +29,11 @@ import torch
 
 from hora.collectives.ops import ReduceOp
 from hora.core import api as _api
-from hora.core import context as _context
+from hora.core import gradients as _grads
 from hora.core import spellings as _sp
 from hora.core.process_set import ProcessSet, global_process_set
 from hora.torch import ops
 from hora.torch.compression import Compression, Compressor
-
-
-def _set_size(process_set: ProcessSet) -> int:
-    return int(process_set.size() or 0)
-
-
-def _set_rank(process_set: ProcessSet) -> int:
-    return int(process_set.rank() or 0)
 
 
 class _Allreduce(torch.autograd.Function):
@@ -56,10 +48,7 @@ class _Allreduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        op, pre, post, process_set = ctx.args
-        out = ops.synchronize(ops.allreduce_async(grad.contiguous(), None, None, op, pre, post,
-                                                  process_set))
-        return out, None, None, None, None, None
+        return _grads.allreduce(ops.TORCH, grad, *ctx.args), None, None, None, None, None
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -90,9 +79,7 @@ class _GroupedAllreduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        op, pre, post, process_set = ctx.args
-        outs = ops.synchronize(ops.grouped_allreduce_async(
-            [g.contiguous() for g in grads], None, None, op, pre, post, process_set))
+        outs = _grads.grouped_allreduce(ops.TORCH, grads, *ctx.args)
         return (None, None, None, None, None, *outs)
 
 
@@ -110,13 +97,6 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
 
 
-def _my_rows(grad: torch.Tensor, dim0: int, process_set: ProcessSet) -> torch.Tensor:
-    dims = ops.synchronize(ops.allgather_async(torch.tensor([dim0], dtype=torch.int32), None,
-                                               process_set))
-    offset = int(dims[:_set_rank(process_set)].sum())
-    return grad.narrow(0, offset, dim0)
-
-
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None,
@@ -127,10 +107,7 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = ops.synchronize(ops.allreduce_async(grad.contiguous(), None, None,
-                                                      ReduceOp.Average, 1.0, 1.0,
-                                                      ctx.process_set))
-        return _my_rows(reduced, ctx.dim0, ctx.process_set), None, None
+        return _grads.allgather(ops.TORCH, grad, ctx.dim0, ctx.process_set), None, None
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
@@ -150,13 +127,7 @@ class _GroupedAllgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        reduced = ops.synchronize(ops.grouped_allreduce_async(
-            [g.contiguous() for g in grads], None, None, ReduceOp.Average, 1.0, 1.0,
-            ctx.process_set))
-        dims = ops.synchronize(ops.allgather_async(
-            torch.tensor([ctx.dims], dtype=torch.int64), None, ctx.process_set))
-        offsets = dims[:_set_rank(ctx.process_set)].sum(0).tolist()
-        rows = [r.narrow(0, int(o), d) for r, o, d in zip(reduced, offsets, ctx.dims)]
+        rows = _grads.grouped_allgather(ops.TORCH, grads, ctx.dims, ctx.process_set)
         return (None, None, *rows)
 
 
@@ -175,12 +146,7 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = ops.synchronize(ops.allreduce_async(grad.contiguous(), None, None,
-                                                      ReduceOp.Average, 1.0, 1.0,
-                                                      ctx.process_set))
-        if _context.get("broadcast backward").rank != ctx.root_rank:
-            reduced = torch.zeros_like(reduced)
-        return reduced, None, None, None
+        return _grads.broadcast(ops.TORCH, grad, ctx.root_rank, ctx.process_set), None, None, None
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -203,11 +169,7 @@ class _Alltoall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
-        back, _ = ops.synchronize(ops.alltoall_async(grad.contiguous(), ctx.received, None,
-                                                     ctx.process_set))
-        if back.shape[0] < ctx.rows:  # rows beyond sum(splits) were not sent: zero gradient
-            pad = back.new_zeros((ctx.rows - back.shape[0],) + tuple(back.shape[1:]))
-            back = torch.cat([back, pad])
+        back = _grads.alltoall(ops.TORCH, grad, ctx.received, ctx.rows, ctx.process_set)
         return back, None, None, None
 
 
@@ -219,24 +181,17 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
     return _Alltoall.apply(tensor, splits, name, process_set)
 
 
-def _reducescatter_grad_scale(op: ReduceOp, pre: float, post: float,
-                              process_set: ProcessSet) -> float:
-    scale = float(_set_size(process_set)) if op is ReduceOp.Sum else 1.0
-    return scale * pre * post
-
-
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp,
                 process_set: ProcessSet, pre: float, post: float) -> torch.Tensor:
-        ctx.scale = _reducescatter_grad_scale(op, pre, post, process_set)
+        ctx.scale = _grads.reducescatter_scale(op, pre, post, process_set)
         ctx.process_set = process_set
         return ops.synchronize(ops.reducescatter_async(tensor, name, op, process_set, pre, post))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        g = grad * ctx.scale if ctx.scale != 1.0 else grad
-        out = ops.synchronize(ops.allgather_async(g.contiguous(), None, ctx.process_set))
+        out = _grads.reducescatter(ops.TORCH, grad, ctx.scale, ctx.process_set)
         return out, None, None, None, None, None
 
 
@@ -263,15 +218,14 @@ class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: str | None, op: ReduceOp, process_set: ProcessSet, pre: float,
                 post: float, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.scale = _reducescatter_grad_scale(op, pre, post, process_set)
+        ctx.scale = _grads.reducescatter_scale(op, pre, post, process_set)
         ctx.process_set = process_set
         return tuple(ops.synchronize(ops.grouped_reducescatter_async(
             list(tensors), name, op, process_set, pre, post)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        scaled = [(g * ctx.scale if ctx.scale != 1.0 else g).contiguous() for g in grads]
-        outs = ops.synchronize(ops.grouped_allgather_async(scaled, None, ctx.process_set))
+        outs = _grads.grouped_reducescatter(ops.TORCH, grads, ctx.scale, ctx.process_set)
         return (None, None, None, None, None, *outs)
 
 

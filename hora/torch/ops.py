@@ -131,6 +131,22 @@ class _TorchBridge:
         device = splits.device if isinstance(splits, torch.Tensor) else torch.device("cpu")
         return to_tensor(received, device)
 
+    # the tensor math of the gradient rules (hora.core.gradients)
+    def rows(self, tensor: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        return tensor.narrow(0, start, count)
+
+    def zeros_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(tensor)
+
+    def pad_rows(self, tensor: torch.Tensor, rows: int) -> torch.Tensor:
+        if tensor.shape[0] >= rows:
+            return tensor
+        pad = tensor.new_zeros((rows - tensor.shape[0],) + tuple(tensor.shape[1:]))
+        return torch.cat([tensor, pad])
+
+    def scaled(self, tensor: torch.Tensor, factor: float) -> torch.Tensor:
+        return tensor * factor
+
 
 TORCH = _TorchBridge()
 """The torch bridge: every collective of this adapter goes through it."""
