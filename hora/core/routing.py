@@ -14,6 +14,7 @@ the set's comm). The executor calls the route's methods and never picks algorith
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,23 +43,36 @@ SHM_HEADROOM = 4
 each rank holds two data segments of the op's capacity, and /dev/shm is shared with others."""
 
 
+class DataPath(str, enum.Enum):
+    """A process set's data path: the one vocabulary of logs, benchmarks and the timeline."""
+
+    RING = "ring"  # the TCP ring (or star / recursive doubling for small messages)
+    SHM = "shm"  # every member on this host, over shared memory
+    SHARD = "shard"  # hierarchical across hosts, each host's ranks own a shard
+    LEADER = "leader"  # hierarchical across hosts through one leader per host
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class Route:
     """The data path of one process set (see the module docstring)."""
 
     def __init__(self, comm: Comm, config: Config, *, group: ShmGroup | None = None,
-                 shm_free: int = 0, scheme: str = "ring", local: ShmGroup | Comm | None = None,
+                 shm_free: int = 0, scheme: DataPath = DataPath.RING,
+                 local: ShmGroup | Comm | None = None,
                  cross: Comm | None = None, lane_group: ShmGroup | None = None) -> None:
         self.comm = comm
         self.group = group  # the whole set on one host, over shared memory
         self.lane_group = lane_group  # a second group for the fast lane (hora.core.fastlane)
-        self.scheme = scheme  # "ring", "shm", "shard", "leader"
+        self.scheme = scheme
         self._local = local
         self._cross = cross
         self._config = config
         self._shm_free = shm_free
 
     @property
-    def name(self) -> str:
+    def name(self) -> DataPath:
         return self.scheme
 
     def _shm_fits(self, nbytes: int) -> bool:
@@ -82,7 +96,7 @@ class Route:
         if self.lane_group is None:
             return None
         return Route(self.comm, self._config, group=self.lane_group, shm_free=self._shm_free,
-                     scheme="shm")
+                     scheme=DataPath.SHM)
 
     def staging(self, nbytes: int) -> np.ndarray | None:
         """A shared-memory buffer to pack the next fused allreduce into, or None."""
@@ -90,22 +104,19 @@ class Route:
             return self.group.staging(nbytes)
         return None
 
-    def allreduce(self, buf: np.ndarray, op: ReduceOp, scratch: np.ndarray) -> str:
-        """Reduce ``buf`` in place; returns the algorithm's name (for the timeline)."""
+    def allreduce(self, buf: np.ndarray, op: ReduceOp, scratch: np.ndarray) -> None:
+        """Reduce ``buf`` in place over this route."""
         if self.group is not None and self._shm_fits(buf.nbytes):
             self.group.allreduce(buf, op)
-            return "shm"
-        if self.scheme == "shard" and self._local is not None:
+        elif self.scheme is DataPath.SHARD and self._local is not None:
             hierarchical_allreduce(self._local, self._cross, buf, op, scratch=scratch)
-            return "hierarchical"
-        if self.scheme == "leader" and self._local is not None:
+        elif self.scheme is DataPath.LEADER and self._local is not None:
             leader_allreduce(self._local, self._cross, buf, op, scratch=scratch)
-            return "hierarchical"
-        cfg = self._config
-        algorithm = select_allreduce(buf.nbytes, self.comm.size, cfg.allreduce_algorithm,
-                                     cfg.small_allreduce_bytes)
-        allreduce(self.comm, buf, op, algorithm, scratch=scratch)
-        return algorithm
+        else:
+            cfg = self._config
+            algorithm = select_allreduce(buf.nbytes, self.comm.size, cfg.allreduce_algorithm,
+                                         cfg.small_allreduce_bytes)
+            allreduce(self.comm, buf, op, algorithm, scratch=scratch)
 
     def allgather(self, sendbuf: np.ndarray, counts: Sequence[int], out: np.ndarray) -> None:
         if self.group is not None and self._shm_fits(out.nbytes):
@@ -149,7 +160,7 @@ def build_route(comm: Comm, hostnames: Sequence[str], config: Config, job_id: st
         if group is None:
             return Route(comm, config)
         log.debug("process set of %d ranks on one host: shared memory", comm.size)
-        return Route(comm, config, group=group, shm_free=free, scheme="shm",
+        return Route(comm, config, group=group, shm_free=free, scheme=DataPath.SHM,
                      lane_group=_lane_group(comm, config, job_id))
     hierarchical = config.hierarchical_allreduce
     if hierarchical is None:  # automatic: worth it when some host has several ranks. Decided
@@ -164,7 +175,7 @@ def build_route(comm: Comm, hostnames: Sequence[str], config: Config, job_id: st
         local = group if group is not None else local_comm
     cross = SubComm(comm, layout.cross) if layout.cross is not None else None
     log.debug("process set across hosts: hierarchical allreduce (%s)", layout.scheme)
-    return Route(comm, config, scheme=layout.scheme, local=local, cross=cross)
+    return Route(comm, config, scheme=DataPath(layout.scheme), local=local, cross=cross)
 
 
 def _shm_group(comm: Comm, config: Config, job_id: str) -> tuple[ShmGroup | None, int]:
