@@ -67,7 +67,7 @@ _TIMEOUT_HINT = ("HINT: the rank that publishes it may not have started, may hav
 
 
 @dataclass(frozen=True)
-class Request:
+class StoreRequest:
     """One decoded store request."""
 
     op: int
@@ -78,7 +78,7 @@ class Request:
     delta: int = 0
 
 
-def encode_request(req: Request) -> bytes:
+def encode_request(req: StoreRequest) -> bytes:
     """The payload bytes (without length prefix) for ``req``.
 
     Raises:
@@ -114,7 +114,7 @@ def _name(payload: memoryview, offset: int) -> tuple[str, int]:
         raise FrameError("name is not valid UTF-8") from None
 
 
-def decode_request(payload: bytes | bytearray | memoryview) -> Request:
+def decode_request(payload: bytes | bytearray | memoryview) -> StoreRequest:
     """Parse a request payload (the bytes after the length prefix).
 
     Raises:
@@ -129,22 +129,22 @@ def decode_request(payload: bytes | bytearray | memoryview) -> Request:
     key, offset = _name(view, offset)
     rest = view[offset:]
     if op == OP_SET:
-        return Request(op, scope, key, value=bytes(rest))
+        return StoreRequest(op, scope, key, value=bytes(rest))
     if op == OP_GET:
         if len(rest) != _F64.size:
             raise FrameError("GET needs exactly an 8-byte timeout")
         (timeout,) = _F64.unpack(rest)
         if not math.isfinite(timeout) or timeout < 0:
             raise FrameError(f"invalid GET timeout {timeout}")
-        return Request(op, scope, key, timeout=timeout)
+        return StoreRequest(op, scope, key, timeout=timeout)
     if op == OP_DELETE:
         if len(rest):
             raise FrameError("DELETE takes no operand")
-        return Request(op, scope, key)
+        return StoreRequest(op, scope, key)
     if op == OP_ADD:
         if len(rest) != _I64.size:
             raise FrameError("ADD needs exactly an 8-byte delta")
-        return Request(op, scope, key, delta=_I64.unpack(rest)[0])
+        return StoreRequest(op, scope, key, delta=_I64.unpack(rest)[0])
     raise FrameError(f"unknown op {op}")
 
 
@@ -329,7 +329,7 @@ class KVStoreServer:
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
 
-    def _handle(self, req: Request) -> bytes:
+    def _handle(self, req: StoreRequest) -> bytes:
         with self._cond:
             scope = self._data.get(req.scope)
             if req.op == OP_SET:
@@ -439,7 +439,7 @@ class KVStoreClient:
             "and are reachable from this host; raise HORA_START_TIMEOUT if start-up is slow."
         )
 
-    def _call(self, req: Request, wait: float = 0.0) -> tuple[int, bytes]:
+    def _call(self, req: StoreRequest, wait: float = 0.0) -> tuple[int, bytes]:
         payload = encode_request(req)
         with self._lock:
             deadline = time.monotonic() + wait + self._timeout
@@ -468,7 +468,7 @@ class KVStoreClient:
         Raises:
             RendezvousError: the store is unreachable.
         """
-        self._call(Request(OP_SET, scope, key, value=bytes(value)))
+        self._call(StoreRequest(OP_SET, scope, key, value=bytes(value)))
 
     def get(self, scope: str, key: str, timeout: float | None = None) -> bytes:
         """The value of ``scope``/``key``, waiting up to ``timeout`` s for it to appear.
@@ -481,7 +481,7 @@ class KVStoreClient:
             RendezvousError: the store is unreachable.
         """
         wait = self._timeout if timeout is None else max(0.0, timeout)
-        status, body = self._call(Request(OP_GET, scope, key, timeout=wait), wait)
+        status, body = self._call(StoreRequest(OP_GET, scope, key, timeout=wait), wait)
         if status != OK:
             raise RendezvousTimeoutError(
                 f"key {key!r} in scope {scope!r} did not appear in the rendezvous store at "
@@ -520,7 +520,7 @@ class KVStoreClient:
         Raises:
             RendezvousError: the store is unreachable.
         """
-        return [k for k in keys if self._call(Request(OP_GET, scope, k, timeout=0.0))[0] != OK]
+        return [k for k in keys if self._call(StoreRequest(OP_GET, scope, k, timeout=0.0))[0] != OK]
 
     def delete(self, scope: str, key: str) -> bool:
         """Remove ``scope``/``key``; returns whether it existed.
@@ -528,7 +528,7 @@ class KVStoreClient:
         Raises:
             RendezvousError: the store is unreachable.
         """
-        _, body = self._call(Request(OP_DELETE, scope, key))
+        _, body = self._call(StoreRequest(OP_DELETE, scope, key))
         return body == b"\x01"
 
     def add(self, scope: str, key: str, delta: int = 1) -> int:
@@ -540,7 +540,7 @@ class KVStoreClient:
         Raises:
             RendezvousError: the store is unreachable or the key holds a non-integer value.
         """
-        _, body = self._call(Request(OP_ADD, scope, key, delta=delta))
+        _, body = self._call(StoreRequest(OP_ADD, scope, key, delta=delta))
         value: int = _I64.unpack(body)[0]
         return value
 
@@ -569,5 +569,5 @@ def _shutdown(sock: socket.socket) -> None:
         pass
 
 
-__all__ = ["MAX_FRAME", "FrameError", "KVStoreClient", "KVStoreServer", "Request",
+__all__ = ["MAX_FRAME", "FrameError", "KVStoreClient", "KVStoreServer", "StoreRequest",
            "decode_request", "encode_request"]

@@ -38,7 +38,7 @@ from hora.rendezvous.kvstore import (
     FrameError,
     KVStoreClient,
     KVStoreServer,
-    Request,
+    StoreRequest,
     decode_request,
     encode_request,
 )
@@ -71,7 +71,7 @@ def _dropped(sock: socket.socket, within: float = 3.0) -> bool:
 
 def _malformed_payloads() -> st.SearchStrategy[bytes]:
     bad_op = st.binary(min_size=1, max_size=60).filter(lambda b: b[0] not in (1, 2, 3, 4))
-    valid = st.builds(Request, st.sampled_from([OP_SET, OP_GET, OP_DELETE, OP_ADD]),
+    valid = st.builds(StoreRequest, st.sampled_from([OP_SET, OP_GET, OP_DELETE, OP_ADD]),
                       st.text(max_size=6), st.text(max_size=6), value=st.binary(max_size=8),
                       timeout=st.just(0.0), delta=st.integers(-3, 3)).map(encode_request)
 
@@ -192,17 +192,17 @@ class StoreProtocol(RuleBasedStateMachine):
         assert _dropped(sock)
         sock.close()
 
-    @rule(req=st.builds(Request, st.just(OP_SET), _SCOPES, _KEYS, value=_VALUES),
+    @rule(req=st.builds(StoreRequest, st.just(OP_SET), _SCOPES, _KEYS, value=_VALUES),
           cut=st.integers(0, 200))
-    def vanishes_mid_frame(self, req: Request, cut: int) -> None:
+    def vanishes_mid_frame(self, req: StoreRequest, cut: int) -> None:
         frame = struct.pack("!I", len(encode_request(req))) + encode_request(req)
         sock = _authed(self.server.port)
         sock.sendall(frame[:cut % len(frame)])
         sock.close()  # the partial SET must not be applied
 
-    @rule(reqs=st.lists(st.builds(Request, st.just(OP_SET), _SCOPES, _KEYS, value=_VALUES),
+    @rule(reqs=st.lists(st.builds(StoreRequest, st.just(OP_SET), _SCOPES, _KEYS, value=_VALUES),
                         min_size=1, max_size=3))
-    def pipelined_then_garbage(self, reqs: list[Request]) -> None:
+    def pipelined_then_garbage(self, reqs: list[StoreRequest]) -> None:
         """Valid requests in one burst, then garbage: the valid ones are applied, in order."""
         sock = _authed(self.server.port)
         burst = b"".join(struct.pack("!I", len(p)) + p for p in map(encode_request, reqs))

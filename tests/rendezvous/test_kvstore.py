@@ -27,7 +27,7 @@ from hora.rendezvous.kvstore import (
     FrameError,
     KVStoreClient,
     KVStoreServer,
-    Request,
+    StoreRequest,
     decode_request,
     encode_request,
 )
@@ -303,18 +303,18 @@ def test_malformed_request_drops_only_that_client(server: KVStoreServer,
 
 _names = st.text(max_size=40)
 _requests = st.one_of(
-    st.builds(Request, st.just(OP_SET), _names, _names, value=st.binary(max_size=200)),
-    st.builds(Request, st.just(OP_GET), _names, _names,
+    st.builds(StoreRequest, st.just(OP_SET), _names, _names, value=st.binary(max_size=200)),
+    st.builds(StoreRequest, st.just(OP_GET), _names, _names,
               timeout=st.floats(min_value=0, max_value=1e6, allow_nan=False)),
-    st.builds(Request, st.just(OP_DELETE), _names, _names),
-    st.builds(Request, st.just(OP_ADD), _names, _names,
+    st.builds(StoreRequest, st.just(OP_DELETE), _names, _names),
+    st.builds(StoreRequest, st.just(OP_ADD), _names, _names,
               delta=st.integers(min_value=-(2**63), max_value=2**63 - 1)),
 )
 
 
 @settings(max_examples=200, deadline=1000)
 @given(_requests)
-def test_encode_decode_round_trip(req: Request) -> None:
+def test_encode_decode_round_trip(req: StoreRequest) -> None:
     assert decode_request(encode_request(req)) == req
 
 
@@ -330,7 +330,7 @@ def test_decoder_accepts_or_raises_frame_error(data: bytes) -> None:
 
 @settings(max_examples=200, deadline=1000)
 @given(_requests, st.integers(min_value=0, max_value=400), st.binary(min_size=1, max_size=4))
-def test_decoder_on_mutated_requests(req: Request, position: int, junk: bytes) -> None:
+def test_decoder_on_mutated_requests(req: StoreRequest, position: int, junk: bytes) -> None:
     raw = bytearray(encode_request(req))
     pos = position % (len(raw) + 1)
     raw[pos:pos + len(junk)] = junk
