@@ -20,24 +20,36 @@ other clients are not disturbed.
 
 from __future__ import annotations
 
-import math
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hora._util import auth
 from hora._util.log import get_logger
-from hora._util.net import recv_exact, send_all
 from hora.errors import (
     AuthenticationError,
     FrameError,
     RendezvousError,
     RendezvousTimeoutError,
+)
+from hora.rendezvous.store_wire import (
+    _I64,
+    ERROR,
+    MAX_FRAME,
+    MISSING,
+    OK,
+    OP_ADD,
+    OP_DELETE,
+    OP_GET,
+    OP_SET,
+    StoreRequest,
+    _recv_frame,
+    _send_frame,
+    decode_request,
+    encode_request,
 )
 
 if TYPE_CHECKING:
@@ -45,140 +57,14 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-MAX_FRAME = 64 * 1024 * 1024 + 1024
-"""Largest frame payload either side accepts; a longer length field drops the connection."""
-
 MAX_WAIT_SECONDS = 24 * 3600.0
 """Longest server-side wait of one ``get``."""
 
 AUTH_CONTEXT = b"hora-kvstore"
 
-OP_SET, OP_GET, OP_DELETE, OP_ADD = 1, 2, 3, 4
-OK, MISSING, ERROR = 0, 1, 2
-
-_LEN = struct.Struct("!I")
-_U16 = struct.Struct("!H")
-_F64 = struct.Struct("!d")
-_I64 = struct.Struct("!q")
-
 _TIMEOUT_HINT = ("HINT: the rank that publishes it may not have started, may have crashed, or may "
                  "be slow to start; raise HORA_START_TIMEOUT (hora run --start-timeout) if start-up"
                  " is slow.")
-
-
-@dataclass(frozen=True)
-class StoreRequest:
-    """One decoded store request."""
-
-    op: int
-    scope: str
-    key: str
-    value: bytes = b""
-    timeout: float = 0.0
-    delta: int = 0
-
-
-def encode_request(req: StoreRequest) -> bytes:
-    """The payload bytes (without length prefix) for ``req``.
-
-    Raises:
-        FrameError: the scope or key is longer than 65535 bytes, or the op is unknown.
-    """
-    parts = [bytes([req.op])]
-    for name in (req.scope, req.key):
-        raw = name.encode()
-        if len(raw) > 0xFFFF:
-            raise FrameError(f"scope/key name longer than 65535 bytes: {name[:40]!r}...")
-        parts += [_U16.pack(len(raw)), raw]
-    if req.op == OP_SET:
-        parts.append(req.value)
-    elif req.op == OP_GET:
-        parts.append(_F64.pack(req.timeout))
-    elif req.op == OP_ADD:
-        parts.append(_I64.pack(req.delta))
-    elif req.op != OP_DELETE:
-        raise FrameError(f"unknown op {req.op}")
-    return b"".join(parts)
-
-
-def _name(payload: memoryview, offset: int) -> tuple[str, int]:
-    if offset + 2 > len(payload):
-        raise FrameError("truncated name length")
-    (n,) = _U16.unpack_from(payload, offset)
-    offset += 2
-    if offset + n > len(payload):
-        raise FrameError("truncated name")
-    try:
-        return bytes(payload[offset:offset + n]).decode(), offset + n
-    except UnicodeDecodeError:
-        raise FrameError("name is not valid UTF-8") from None
-
-
-def decode_request(payload: bytes | bytearray | memoryview) -> StoreRequest:
-    """Parse a request payload (the bytes after the length prefix).
-
-    Raises:
-        FrameError: anything malformed: unknown op, truncated fields, bad UTF-8, trailing bytes,
-            a negative or non-finite timeout.
-    """
-    view = memoryview(payload).cast("B")
-    if len(view) < 1:
-        raise FrameError("empty request")
-    op = view[0]
-    scope, offset = _name(view, 1)
-    key, offset = _name(view, offset)
-    rest = view[offset:]
-    if op == OP_SET:
-        return StoreRequest(op, scope, key, value=bytes(rest))
-    if op == OP_GET:
-        if len(rest) != _F64.size:
-            raise FrameError("GET needs exactly an 8-byte timeout")
-        (timeout,) = _F64.unpack(rest)
-        if not math.isfinite(timeout) or timeout < 0:
-            raise FrameError(f"invalid GET timeout {timeout}")
-        return StoreRequest(op, scope, key, timeout=timeout)
-    if op == OP_DELETE:
-        if len(rest):
-            raise FrameError("DELETE takes no operand")
-        return StoreRequest(op, scope, key)
-    if op == OP_ADD:
-        if len(rest) != _I64.size:
-            raise FrameError("ADD needs exactly an 8-byte delta")
-        return StoreRequest(op, scope, key, delta=_I64.unpack(rest)[0])
-    raise FrameError(f"unknown op {op}")
-
-
-def _recv_frame(sock: socket.socket, deadline: float | None, io_timeout: float) -> bytes | None:
-    """One frame's payload; None on a clean EOF before the length. ``deadline`` None: wait idle.
-
-    Raises:
-        FrameError: the length field exceeds :data:`MAX_FRAME` (nothing is allocated).
-        TimeoutError, EOFError, OSError: from the socket.
-    """
-    header = bytearray(_LEN.size)
-    view = memoryview(header)
-    if deadline is None:
-        sock.settimeout(None)
-        n = sock.recv_into(view)
-        if n == 0:
-            return None
-        if n < len(view):
-            recv_exact(sock, view[n:], time.monotonic() + io_timeout)
-        deadline = time.monotonic() + io_timeout
-    else:
-        recv_exact(sock, view, deadline)
-    (length,) = _LEN.unpack(header)
-    if length > MAX_FRAME:
-        raise FrameError(f"frame length {length} exceeds the limit of {MAX_FRAME} bytes")
-    payload = bytearray(length)
-    recv_exact(sock, memoryview(payload), deadline)
-    return bytes(payload)
-
-
-def _send_frame(sock: socket.socket, payload: bytes, deadline: float) -> None:
-    if len(payload) > MAX_FRAME:
-        raise FrameError(f"frame of {len(payload)} bytes exceeds the limit of {MAX_FRAME}")
-    send_all(sock, _LEN.pack(len(payload)) + payload, deadline)
 
 
 class KVStoreServer:
@@ -569,5 +455,6 @@ def _shutdown(sock: socket.socket) -> None:
         pass
 
 
-__all__ = ["MAX_FRAME", "FrameError", "KVStoreClient", "KVStoreServer", "StoreRequest",
-           "decode_request", "encode_request"]
+__all__ = ["ERROR", "MAX_FRAME", "MISSING", "OK", "OP_ADD", "OP_DELETE", "OP_GET", "OP_SET",
+           "FrameError", "KVStoreClient", "KVStoreServer", "StoreRequest", "decode_request",
+           "encode_request"]

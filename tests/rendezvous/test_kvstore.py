@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hora._util import auth
 from hora._util.net import free_port
 from hora.errors import RendezvousError, RendezvousTimeoutError
-from hora.rendezvous import kvstore
+from hora.rendezvous import kvstore, store_wire
 from hora.rendezvous.kvstore import (
     MAX_FRAME,
     OP_ADD,
@@ -277,7 +277,7 @@ def test_huge_length_field_is_rejected_without_allocating(
             allocations.append(args[0])
         return real_bytearray(*args)  # type: ignore[call-overload, no-any-return]
 
-    monkeypatch.setattr(kvstore, "bytearray", watching_bytearray, raising=False)
+    monkeypatch.setattr(store_wire, "bytearray", watching_bytearray, raising=False)
     with caplog.at_level(logging.WARNING, logger="hora.rendezvous.kvstore"):
         sock = _authed_socket(server)
         sock.sendall(struct.pack("!I", 0xFFFFFFFF))
