@@ -27,7 +27,6 @@ import collections
 import ctypes
 import os
 import queue
-import re
 import signal
 import subprocess
 import sys
@@ -37,11 +36,18 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, BinaryIO
+from typing import BinaryIO
 
 from hora._util.shm_names import SHM_DIR, remove_job_segments
 from hora.rendezvous.topology import Slot
 from hora.runner.failures import WorkerFailure, exit_status, signal_name
+from hora.runner.output import (  # re-exported: the launcher's output (__all__)
+    CONSOLE,
+    Console,
+    _Relay,
+    rank_output_dir,
+    say,
+)
 
 GRACE_PERIOD_S = 5.0
 """Seconds between SIGTERM and SIGKILL when the launcher stops ranks (Horovod's value)."""
@@ -49,78 +55,9 @@ GRACE_PERIOD_S = 5.0
 STDERR_TAIL_LINES = 10
 """Lines of a failed rank's stderr repeated in the root-cause message."""
 
-MAX_SEGMENT_BYTES = 64 * 1024
-"""A line longer than this is relayed in pieces instead of being held back indefinitely."""
-
 _RELAY_JOIN_S = 5.0
 _POLL_S = 0.05
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-# A line ends at \n, \r\n, or a lone \r (progress bars redraw with \r). A \r at the very end of
-# the data read so far is held back until we know whether \n follows.
-_TERMINATOR = re.compile(rb"\r\n|\n|\r(?=[^\n])")
-
-
-class Console:
-    """The launcher's own stdout / stderr, shared by all relay threads.
-
-    Writes are whole lines under one lock, so lines of different ranks never interleave
-    mid-line. Streams are looked up at write time (``sys.stdout`` may be replaced).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._broken: set[str] = set()
-
-    def write(self, stream: str, text: str) -> bool:
-        """Write ``text`` to ``"stdout"`` or ``"stderr"`` and flush.
-
-        Returns:
-            False once the stream is closed (broken pipe): nothing more can be written there.
-        """
-        target = sys.stdout if stream == "stdout" else sys.stderr
-        with self._lock:
-            if stream in self._broken or target is None:
-                return False
-            try:
-                buffer = getattr(target, "buffer", None)
-                if buffer is not None:
-                    target.flush()
-                    buffer.write(text.encode(target.encoding or "utf-8", "replace"))
-                    buffer.flush()
-                else:
-                    target.write(text)
-                    target.flush()
-            except (OSError, ValueError):
-                self._broken.add(stream)
-                return False
-            return True
-
-    def say(self, message: str) -> None:
-        """A launcher message: each line on stderr, prefixed ``[hora]``."""
-        self.write("stderr", "".join(f"[hora] {line}\n" for line in message.splitlines()))
-
-    # Structured events, besides the messages: the base console ignores them; API callers
-    # (hora.run) subclass it to learn what happened without parsing text.
-    def rank_failed(self, failure: WorkerFailure) -> None:
-        """The first rank that failed (exited non-zero, killed, or could not start)."""
-
-    def interrupted(self, signum: int) -> None:
-        """The launcher received ``signum`` and stopped every rank."""
-
-
-CONSOLE = Console()
-
-
-def say(message: str) -> None:
-    """Print a launcher message to stderr with the ``[hora]`` prefix."""
-    CONSOLE.say(message)
-
-
-def rank_output_dir(root: str | os.PathLike[str], rank: int, size: int) -> Path:
-    """``root/rank.<r>`` with ``r`` zero-padded to the width of ``size - 1`` (at least 1 digit)."""
-    width = len(str(max(size - 1, 0)))
-    return Path(root) / f"rank.{rank:0{width}d}"
 
 
 @dataclass(frozen=True)
@@ -138,73 +75,6 @@ class RankLaunch:
     argv: Sequence[str] | None = None
     stdin: bytes | None = field(default=None, repr=False)
     before_start: Callable[[], None] | None = None
-
-
-class _Relay(threading.Thread):
-    """Copies one pipe of one rank to the console, line by line, with the rank prefix."""
-
-    def __init__(self, pipe: IO[bytes], rank: int, stream: str, console: Console,
-                 copy_to: BinaryIO | None, tail: collections.deque[str] | None,
-                 timestamp: bool) -> None:
-        super().__init__(name=f"hora-relay-{rank}-{stream}", daemon=True)
-        self._pipe = pipe
-        self._prefix = f"[{rank}]<{stream}>:"
-        self._stream = stream
-        self._console = console
-        self._copy = copy_to
-        self._tail = tail
-        self._timestamp = timestamp
-
-    def run(self) -> None:
-        fd = self._pipe.fileno()
-        pending = b""
-        try:
-            while True:
-                try:
-                    chunk = os.read(fd, 65536)
-                except OSError:
-                    break
-                if not chunk:
-                    break
-                if self._copy is not None:
-                    self._copy.write(chunk)
-                    self._copy.flush()
-                pending, ok = self._emit_complete(pending + chunk)
-                if not ok:
-                    # Our stream is closed (`hora run ... | head`): close the rank's pipe too, so
-                    # its next write fails as it would without the launcher in between.
-                    return
-            if pending:
-                self._emit([(pending.rstrip(b"\r"), b"\n")])
-        finally:
-            self._pipe.close()
-            if self._copy is not None:
-                self._copy.close()
-
-    def _emit_complete(self, data: bytes) -> tuple[bytes, bool]:
-        """Relay every complete line of ``data``; return the unfinished rest and whether the
-        console stream is still open."""
-        lines: list[tuple[bytes, bytes]] = []
-        start = 0
-        for match in _TERMINATOR.finditer(data):
-            lines.append((data[start:match.start()], match.group()))
-            start = match.end()
-        rest = data[start:]
-        if len(rest) > MAX_SEGMENT_BYTES:
-            lines.append((rest, b"\n"))
-            rest = b""
-        ok = self._emit(lines) if lines else True
-        return rest, ok
-
-    def _emit(self, lines: list[tuple[bytes, bytes]]) -> bool:
-        prefix = time.asctime() + self._prefix if self._timestamp else self._prefix
-        parts = []
-        for raw, terminator in lines:
-            text = raw.decode("utf-8", errors="replace")
-            parts.append(f"{prefix}{text}{terminator.decode('ascii')}")
-            if self._tail is not None and terminator != b"\r":
-                self._tail.append(text)
-        return self._console.write(self._stream, "".join(parts))
 
 
 @dataclass
