@@ -105,7 +105,8 @@ def allreduce_async(tensor: Any, *, name: str | None = None, op: int = ReduceOp.
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set,
                     inplace: bool = False, output: np.ndarray | None = None,
-                    prefix: str = "allreduce", device: str = "cpu", sync: bool = False) -> Handle:
+                    prefix: str = "allreduce", device: str = "cpu", sync: bool = False,
+                    group: str = "") -> Handle:
     """Reduce ``tensor`` element-wise across the set: ``postscale * op(prescale * x_i)``.
 
     Average divides the Sum by the set size (integer dtypes truncate toward zero, as Horovod).
@@ -133,7 +134,7 @@ def allreduce_async(tensor: Any, *, name: str | None = None, op: int = ReduceOp.
     req = Request(name=_full_name(ctx, prefix, name, set_id), kind=OpKind.ALLREDUCE, rank=ctx.rank,
                   set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape),
                   op=int(op), prescale=float(prescale_factor), postscale=float(postscale_factor),
-                  device=device)
+                  device=device, group=group)
     return _submit(ctx, req, work, out, finish, sync)
 
 
@@ -149,7 +150,8 @@ def grouped_allreduce_async(tensors: Sequence[Any], *, name: str | None = None,
     members = [allreduce_async(t, name=f"{base}_{i + 1}of{n}", op=op,
                                prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                                process_set=process_set, inplace=inplace,
-                               prefix="grouped_allreduce", device=device)
+                               prefix="grouped_allreduce", device=device,
+                               group=f"grouped_allreduce.{base}")
                for i, t in enumerate(tensors)]
     return _join_handles(f"grouped_allreduce.{base}", members)
 
@@ -193,7 +195,7 @@ def _join_handles(name: str, members: list[Handle]) -> Handle:
 
 def allgather_async(tensor: Any, *, name: str | None = None,
                     process_set: ProcessSet = global_process_set, prefix: str = "allgather",
-                    device: str = "cpu") -> Handle:
+                    device: str = "cpu", group: str = "") -> Handle:
     """Concatenate every rank's tensor along dimension 0, in rank order within the set.
 
     First dimensions may differ across ranks; the other dimensions must agree.
@@ -203,7 +205,7 @@ def allgather_async(tensor: Any, *, name: str | None = None,
     work = _contiguous(tensor, "allgather input")
     req = Request(name=_full_name(ctx, prefix, name, set_id), kind=OpKind.ALLGATHER, rank=ctx.rank,
                   set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape),
-                  device=device)
+                  device=device, group=group)
     return _submit(ctx, req, work, None)
 
 
@@ -264,7 +266,8 @@ def alltoall_async(tensor: Any, splits: Sequence[int] | None = None, *, name: st
 def reducescatter_async(tensor: Any, *, name: str | None = None, op: int = ReduceOp.Average,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                         process_set: ProcessSet = global_process_set,
-                        prefix: str = "reducescatter", device: str = "cpu") -> Handle:
+                        prefix: str = "reducescatter", device: str = "cpu",
+                        group: str = "") -> Handle:
     """Reduce across the set, then give rank ``i`` its share of dimension 0 (the first
     ``dim0 % size`` ranks get one extra row). Ops: Sum and Average."""
     ctx = context.get("reducescatter")
@@ -277,7 +280,7 @@ def reducescatter_async(tensor: Any, *, name: str | None = None, op: int = Reduc
     req = Request(name=_full_name(ctx, prefix, name, set_id), kind=OpKind.REDUCESCATTER,
                   rank=ctx.rank, set_id=set_id, dtype=check_dtype(work.dtype),
                   shape=list(work.shape), op=int(op), prescale=float(prescale_factor),
-                  postscale=float(postscale_factor), device=device)
+                  postscale=float(postscale_factor), device=device, group=group)
     return _submit(ctx, req, work, None)
 
 
@@ -291,7 +294,8 @@ def grouped_allgather_async(tensors: Sequence[Any], *, name: str | None = None,
     base = ctx.engine.names.base("grouped_allgather", name, process_set.process_set_id or 0)
     n = len(tensors)
     members = [allgather_async(t, name=f"{base}_{i + 1}of{n}", process_set=process_set,
-                               prefix="grouped_allgather", device=device)
+                               prefix="grouped_allgather", device=device,
+                               group=f"grouped_allgather.{base}")
                for i, t in enumerate(tensors)]
     return _join_handles(f"grouped_allgather.{base}", members)
 
@@ -309,7 +313,8 @@ def grouped_reducescatter_async(tensors: Sequence[Any], *, name: str | None = No
     members = [reducescatter_async(t, name=f"{base}_{i + 1}of{n}", op=op,
                                    prescale_factor=prescale_factor,
                                    postscale_factor=postscale_factor, process_set=process_set,
-                                   prefix="grouped_reducescatter", device=device)
+                                   prefix="grouped_reducescatter", device=device,
+                               group=f"grouped_reducescatter.{base}")
                for i, t in enumerate(tensors)]
     return _join_handles(f"grouped_reducescatter.{base}", members)
 

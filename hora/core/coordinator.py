@@ -238,6 +238,16 @@ class Coordinator:
     def is_pending(self, key: tuple[int, str]) -> bool:
         return key in self._table
 
+    def group_siblings(self, key: tuple[int, str]) -> list[tuple[int, str]]:
+        """The other pending members of the grouped op ``key`` belongs to (none if it is not a
+        group member, or not pending)."""
+        entry = self._table.get(key)
+        group = next(iter(entry.requests.values())).group if entry and entry.requests else ""
+        if not group:
+            return []
+        return [k for k, other in self._table.items() if k != key and k[0] == key[0]
+                and any(r.group == group for r in other.requests.values())]
+
     def joined(self, set_id: int) -> list[int]:
         return self._joined.get(set_id, [])
 

@@ -20,7 +20,6 @@ The assumption it rests on: a rank whose threads are blocked submits nothing unt
 
 from __future__ import annotations
 
-import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -37,9 +36,6 @@ log = get_logger(__name__)
 
 Key = tuple[int, str]
 """(process set id, op name)."""
-
-_GROUP_MEMBER = re.compile(r"^(.*)_(\d+)of(\d+)$")
-"""A member of a grouped op: ``grouped_allreduce.<base>_<i>of<n>`` (hora.core.api)."""
 
 
 LANE_FLUSH = "<fast lane flush>"
@@ -81,6 +77,10 @@ class PendingOps(Protocol):
         ...
 
     def is_pending(self, key: Key) -> bool: ...
+
+    def group_siblings(self, key: Key) -> list[Key]:
+        """The other pending members of the grouped op ``key`` belongs to."""
+        ...
 
     def joined(self, set_id: int) -> list[int]: ...
 
@@ -198,17 +198,6 @@ class DeadlockDetector:
             return any(r in progress for r in others) or not others
         return missing is None or all(r in progress for r in missing)
 
-    def _group_siblings(self, key: Key) -> list[Key]:
-        """The other pending members of a grouped op: a group completes as a whole, so a
-        deadlock in one member fails them all."""
-        match = _GROUP_MEMBER.match(key[1])
-        if match is None:
-            return []
-        base, n = match.group(1), int(match.group(3))
-        return [sibling for i in range(1, n + 1)
-                if (sibling := (key[0], f"{base}_{i}of{n}")) != key
-                and self._pending.is_pending(sibling)]
-
     def _declare(self, stuck: list[int]) -> list[Response]:
         parts: list[str] = []
         keys: list[Key] = []
@@ -219,7 +208,8 @@ class DeadlockDetector:
                 where = f" of process set {key[0]}" if key[0] != 0 else ""
                 who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}"
                 parts.append(f"rank {rank} waits in {key[1]}{where}, which {who} {verb}")
-                keys += [k for k in (key, *self._group_siblings(key)) if k not in keys]
+                # a group completes as a whole: its other pending members fail with it
+                keys += [k for k in (key, *self._pending.group_siblings(key)) if k not in keys]
         message = (
             f"Deadlock: ranks {stuck} are all blocked and none of their ops can ever complete: "
             + "; ".join(parts) + ". hora fails these ops on every rank instead of hanging "

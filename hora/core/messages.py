@@ -49,6 +49,7 @@ class Request:
     splits: list[int] | None = None
     device: str = "cpu"
     ranks: list[int] | None = None  # ADD/REMOVE_PROCESS_SET
+    group: str = ""  # the grouped op this request is a member of ("": none)
 
 
 @dataclass
@@ -170,7 +171,7 @@ def _list(value: Any) -> list[Any]:
 
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "name": str, "rank": int, "set_id": int, "dtype": str, "op": int, "root": int,
-    "prescale": (int, float), "postscale": (int, float), "device": str,
+    "prescale": (int, float), "postscale": (int, float), "device": str, "group": str,
     "error": str, "value": int,
 }
 

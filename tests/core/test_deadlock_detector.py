@@ -180,8 +180,11 @@ def test_a_deadlocked_grouped_op_fails_as_a_whole() -> None:
     """The wait on a group reports its first pending member; every pending member fails, or
     the group would wait for the rest forever."""
     coord, _ = make(2)
-    coord.add([req(0, "grouped_allreduce.noname.1_1of3"), req(0, "grouped_allreduce.noname.1_2of3"),
-               req(0, "grouped_allreduce.noname.1_3of3")])
+    group = "grouped_allreduce.noname.1"  # what hora.core.api puts on each member's request
+    members = [req(0, f"{group}_{i}of3") for i in (1, 2, 3)]
+    for member in members:
+        member.group = group
+    coord.add(members)
     blocked_in(coord, (1, "allreduce.other"))
     coord.deadlocks.waiting(0, True, 0, "grouped_allreduce.noname.1_1of3", False)
     failed, _ = settle(coord)

@@ -72,7 +72,7 @@ _REQUEST_TYPES: dict[str, Any] = {
     "dtype": _str, "shape": lambda v: _nested(v, 1, _is_int), "op": _is_int, "root": _is_int,
     "prescale": _num, "postscale": _num,
     "splits": lambda v: v is None or _nested(v, 1, _is_int), "device": _str,
-    "ranks": lambda v: v is None or _nested(v, 1, _is_int),
+    "ranks": lambda v: v is None or _nested(v, 1, _is_int), "group": _str,
 }
 _RESPONSE_TYPES: dict[str, Any] = {
     "kind": lambda v: isinstance(v, OpKind), "names": lambda v: _nested(v, 1, _str),
