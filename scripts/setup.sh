@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv with hora and everything its tests, demo and benchmarks use. Idempotent.
 # PyTorch is installed first and pinned: an unpinned torch pulls several GB of CUDA packages.
+# tensorflow-cpu (the CPU-only wheel of TensorFlow, with Keras 3) comes next.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,6 +12,11 @@ PIP=".venv/bin/pip --disable-pip-version-check -q"
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   echo "[setup] installing torch==2.13.0 (CPU)"
   $PIP install "torch==2.13.0"
+fi
+if ! .venv/bin/python -c "import tensorflow" 2>/dev/null; then
+  # after torch: tensorflow-cpu keeps the numpy torch was installed with (no GPU wheels)
+  echo "[setup] installing tensorflow-cpu==2.21.0 (hora.tensorflow / hora.keras)"
+  $PIP install "tensorflow-cpu==2.21.0"
 fi
 echo "[setup] installing hora (editable) with test extras"
 $PIP install -e ".[test]"
