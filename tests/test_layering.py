@@ -131,7 +131,7 @@ MAX_LINES = 450
 """Modules of one concept stay small (issue 18's target)."""
 
 TO_SPLIT = {  # over the limit when the limit came in; each may only shrink until it is split
-    "rendezvous/env.py": 490, "transports/tcp.py": 493,
+    "transports/tcp.py": 493,
     "core/engine.py": 488, "timeline/summary.py": 500, "timeline/writer.py": 509,
     "runner/cli.py": 486, "rendezvous/kvstore.py": 460,
     "core/fastlane.py": 607,

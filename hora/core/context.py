@@ -105,7 +105,8 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         config = config_mod.load()
         dynamic = dynamic or config.dynamic_process_sets
         hlog.configure(config.log_level, config.log_hide_time)
-        from hora.rendezvous.env import bootstrap, detect
+        from hora.rendezvous.env import detect
+        from hora.rendezvous.store_bootstrap import bootstrap
 
         info = detect()
         hlog.set_rank(info.rank, info.size)

@@ -1,4 +1,4 @@
-"""Who am I, and where is the rendezvous? Launcher-environment detection and store bootstrap.
+"""Who am I, and where is the rendezvous? Launcher-environment detection.
 
 :func:`detect` reads the environment a launcher left for this process and returns a
 :class:`WorldInfo`: rank, size, whatever topology the launcher states, the rendezvous store's
@@ -31,24 +31,23 @@ no defence against an attacker on the network. Export ``HORA_SECRET_KEY`` (e.g.
 ``mpirun -x HORA_SECRET_KEY=$(python -c 'import secrets; print(secrets.token_hex(32))')``) when the
 network is shared.
 
-:func:`bootstrap` turns a :class:`WorldInfo` into a connected store client (and server, when this
-rank hosts it). Topology fields the launcher does not state stay None; the caller computes them
-from every rank's host name with :func:`hora.rendezvous.topology.compute_topology`.
+:func:`hora.rendezvous.store_bootstrap.bootstrap` turns a :class:`WorldInfo` into a connected
+store client (and server, when this rank hosts it); :mod:`hora.rendezvous.slurm_lists` expands
+Slurm's host and task lists. Topology fields the launcher does not state stay None; the caller
+computes them from every rank's host name with :func:`hora.rendezvous.topology.compute_topology`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import re
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hora._util.log import get_logger
-from hora._util.net import is_loopback, local_hostname
+from hora._util.net import local_hostname
 from hora.errors import RendezvousError
-from hora.rendezvous.kvstore import KVStoreClient, KVStoreServer
+from hora.rendezvous.slurm_lists import expand_nodelist, expand_tasks_per_node
 
 log = get_logger(__name__)
 
@@ -165,69 +164,6 @@ def derive_port(*job_ids: str) -> int:
     digest = hashlib.sha256(b"hora-port\0" + "\0".join(job_ids).encode()).digest()
     low, high = PORT_RANGE
     return low + int.from_bytes(digest[:8], "big") % (high - low)
-
-
-def expand_nodelist(text: str, variable: str = "nodelist") -> list[str]:
-    """Expand Slurm's compressed host list: ``"node[01-03,7],gpu1"`` -> node01..03, node7, gpu1.
-
-    Zero padding follows the lower bound's width; several bracket groups in one name expand as a
-    product (``"r[1-2]n[1-2]"`` -> r1n1, r1n2, r2n1, r2n2).
-
-    Raises:
-        RendezvousError: unbalanced brackets or a malformed range, naming ``variable``.
-    """
-    names: list[str] = []
-    depth, start = 0, 0
-    for i, ch in enumerate(text + ","):
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        if depth < 0 or depth > 1:
-            raise RendezvousError(f"{variable}={text!r}: unbalanced brackets")
-        if ch == "," and depth == 0:
-            part = text[start:i].strip()
-            if part:
-                names += _expand_one(part, text, variable)
-            start = i + 1
-    if depth != 0:
-        raise RendezvousError(f"{variable}={text!r}: unbalanced brackets")
-    return names
-
-
-def _expand_one(part: str, text: str, variable: str) -> list[str]:
-    match = re.search(r"\[([^\[\]]*)\]", part)
-    if match is None:
-        return [part]
-    prefix, suffix = part[:match.start()], part[match.end():]
-    values: list[str] = []
-    for item in match.group(1).split(","):
-        item = item.strip()
-        lo, sep, hi = item.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise RendezvousError(f"{variable}={text!r}: malformed range {item!r}")
-        if not sep:
-            values.append(lo)
-            continue
-        if int(hi) < int(lo):
-            raise RendezvousError(f"{variable}={text!r}: descending range {item!r}")
-        values += [str(i).zfill(len(lo)) for i in range(int(lo), int(hi) + 1)]
-    return [prefix + v + rest for v in values for rest in _expand_one(suffix, text, variable)]
-
-
-def expand_tasks_per_node(text: str, variable: str = "SLURM_STEP_TASKS_PER_NODE") -> list[int]:
-    """Expand Slurm's ``"2(x3),1"`` task counts to ``[2, 2, 2, 1]``.
-
-    Raises:
-        RendezvousError: malformed text, naming ``variable``.
-    """
-    counts: list[int] = []
-    for item in text.split(","):
-        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
-        if match is None:
-            raise RendezvousError(f"{variable}={text!r}: cannot parse {item!r}")
-        counts += [int(match.group(1))] * int(match.group(2) or 1)
-    return counts
 
 
 # ---- per-launcher detection --------------------------------------------------------------------
@@ -427,64 +363,4 @@ def detect(environ: Mapping[str, str] | None = None) -> WorldInfo:
     return info
 
 
-# ---- bootstrap ---------------------------------------------------------------------------------
-
-def _bind_address(store_host: str) -> str:
-    """Where the serving rank binds: the store address itself, unless it names this host only
-    through a loopback alias (Debian's ``127.0.1.1 <hostname>``), which peers could not reach."""
-    if is_loopback(store_host):
-        return "127.0.0.1" if store_host == "localhost" else store_host
-    try:
-        resolved = socket.getaddrinfo(store_host, None, type=socket.SOCK_STREAM)[0][4][0]
-    except OSError as exc:
-        raise RendezvousError(f"cannot resolve the rendezvous host {store_host!r}: {exc}") from exc
-    if is_loopback(str(resolved)):
-        log.info("rendezvous host %s resolves to loopback %s here; the store binds to all "
-                 "interfaces (connections are still authenticated)", store_host, resolved)
-        return "0.0.0.0"
-    return str(resolved)
-
-
-def bootstrap(info: WorldInfo, timeout: float, *, bind_host: str | None = None
-              ) -> tuple[KVStoreClient | None, KVStoreServer | None]:
-    """Connect to the job's rendezvous store, starting it first if this rank serves it.
-
-    Args:
-        info: from :func:`detect`.
-        timeout: seconds to reach the store (it may not be up yet).
-        bind_host: address the serving rank binds (default: derived from ``info.store_host``).
-
-    Returns:
-        ``(client, server)``: ``(None, None)`` when there is no store (a single process);
-        ``server`` is None unless this rank serves the store (the caller closes it last).
-
-    Raises:
-        RendezvousError: the store could not be started (port in use, address not local) or
-            reached in time, with the remedy.
-    """
-    if info.store_host is None or info.store_port is None or (info.size == 1 and info.serve_store):
-        return None, None
-    server: KVStoreServer | None = None
-    if info.serve_store:
-        host = bind_host or _bind_address(info.store_host)
-        try:
-            server = KVStoreServer(info.secret, host, info.store_port).start()
-        except RendezvousError as exc:
-            raise RendezvousError(
-                f"rank {info.rank} ({info.launcher} launch) must serve the rendezvous store on "
-                f"{info.store_host}:{info.store_port} but could not: {exc.__cause__ or exc}. "
-                "HINT: export HORA_RENDEZVOUS_PORT=<free port> to every rank (the default is "
-                "derived from the job id), and make sure HORA_RENDEZVOUS_ADDR names the host "
-                "where rank 0 runs."
-            ) from exc
-    try:
-        client = KVStoreClient(info.store_host, info.store_port, info.secret, timeout)
-    except BaseException:
-        if server is not None:
-            server.close()
-        raise
-    return client, server
-
-
-__all__ = ["LAUNCHERS", "WorldInfo", "bootstrap", "derive_port", "derive_secret", "detect",
-           "expand_nodelist", "expand_tasks_per_node"]
+__all__ = ["LAUNCHERS", "WorldInfo", "derive_port", "derive_secret", "detect"]

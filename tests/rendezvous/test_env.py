@@ -9,15 +9,10 @@ import pytest
 
 from hora._util.net import free_port
 from hora.errors import RendezvousError
-from hora.rendezvous import env as envmod
-from hora.rendezvous.env import (
-    PORT_RANGE,
-    WorldInfo,
-    bootstrap,
-    detect,
-    expand_nodelist,
-    expand_tasks_per_node,
-)
+from hora.rendezvous import store_bootstrap
+from hora.rendezvous.env import PORT_RANGE, WorldInfo, detect
+from hora.rendezvous.slurm_lists import expand_nodelist, expand_tasks_per_node
+from hora.rendezvous.store_bootstrap import bootstrap
 from hora.rendezvous.topology import compute_topology
 
 SECRET_HEX = "00112233445566778899aabbccddeeff"
@@ -305,14 +300,14 @@ def test_bootstrap_port_in_use_explains() -> None:
 
 
 def test_bind_address_for_loopback_aliases(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert envmod._bind_address("127.0.0.1") == "127.0.0.1"
-    assert envmod._bind_address("localhost") == "127.0.0.1"
+    assert store_bootstrap._bind_address("127.0.0.1") == "127.0.0.1"
+    assert store_bootstrap._bind_address("localhost") == "127.0.0.1"
     monkeypatch.setattr(socket, "getaddrinfo",
                         lambda *a, **k: [(0, 0, 0, "", ("127.0.1.1", 0))])
-    assert envmod._bind_address("myhost") == "0.0.0.0"
+    assert store_bootstrap._bind_address("myhost") == "0.0.0.0"
     monkeypatch.setattr(socket, "getaddrinfo",
                         lambda *a, **k: [(0, 0, 0, "", ("10.1.2.3", 0))])
-    assert envmod._bind_address("myhost") == "10.1.2.3"
+    assert store_bootstrap._bind_address("myhost") == "10.1.2.3"
 
 
 def test_worldinfo_is_frozen() -> None:
