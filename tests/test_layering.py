@@ -133,7 +133,7 @@ MAX_LINES = 450
 TO_SPLIT = {  # over the limit when the limit came in; each may only shrink until it is split
     "transports/tcp.py": 493,
     "core/engine.py": 488, "timeline/summary.py": 500, "timeline/writer.py": 509,
-    "runner/cli.py": 486, "rendezvous/kvstore.py": 460,
+    "runner/cli.py": 486,
     "core/fastlane.py": 607,
 }
 

@@ -1,10 +1,10 @@
-"""The rendezvous key-value store: where ranks publish their addresses and find each other's.
+"""The rendezvous key-value store (its server): where ranks publish addresses and find others'.
 
 The launcher (``hora run``) — or rank 0 when a foreign launcher (mpirun, Slurm, torchrun) started
-the job — runs a :class:`KVStoreServer`; every rank connects a :class:`KVStoreClient`. Keys live in
-scopes (``"global"``, ``"tcp.0"``, ...). A ``get`` blocks *server-side* until the key exists or its
-timeout passes, so waiting costs no polling traffic; ``add`` is an atomic counter for barriers and
-generations.
+the job — runs a :class:`KVStoreServer`; every rank connects a
+:class:`~hora.rendezvous.store_client.KVStoreClient`. Keys live in scopes (``"global"``,
+``"tcp.0"``, ...). A ``get`` blocks *server-side* until the key exists or its timeout passes, so
+waiting costs no polling traffic; ``add`` is an atomic counter for barriers and generations.
 
 Every connection is authenticated with the job secret (:mod:`hora._util.auth`) before its first
 request. The wire format is binary and length-prefixed::
@@ -24,24 +24,17 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from hora._util import auth
 from hora._util.log import get_logger
-from hora.errors import (
-    AuthenticationError,
-    FrameError,
-    RendezvousError,
-    RendezvousTimeoutError,
-)
+from hora.errors import AuthenticationError, FrameError, RendezvousError
 from hora.rendezvous.store_wire import (
     _I64,
+    AUTH_CONTEXT,
     ERROR,
-    MAX_FRAME,
     MISSING,
     OK,
-    OP_ADD,
     OP_DELETE,
     OP_GET,
     OP_SET,
@@ -49,7 +42,6 @@ from hora.rendezvous.store_wire import (
     _recv_frame,
     _send_frame,
     decode_request,
-    encode_request,
 )
 
 if TYPE_CHECKING:
@@ -59,12 +51,6 @@ log = get_logger(__name__)
 
 MAX_WAIT_SECONDS = 24 * 3600.0
 """Longest server-side wait of one ``get``."""
-
-AUTH_CONTEXT = b"hora-kvstore"
-
-_TIMEOUT_HINT = ("HINT: the rank that publishes it may not have started, may have crashed, or may "
-                 "be slow to start; raise HORA_START_TIMEOUT (hora run --start-timeout) if start-up"
-                 " is slow.")
 
 
 class KVStoreServer:
@@ -254,196 +240,6 @@ class KVStoreServer:
             return bytes([OK]) + _I64.pack(value)
 
 
-class KVStoreClient:
-    """A connection to a :class:`KVStoreServer`. Thread-safe: one request at a time (a lock).
-
-    The connection is made in the constructor, retrying until ``timeout`` passes (the server may
-    not be up yet). A connection broken mid-request is re-made on the next call.
-
-    Args:
-        host: the server's address.
-        port: the server's port.
-        secret: the job secret.
-        timeout: seconds allowed to connect, and the default wait of :meth:`get` / :meth:`wait`.
-
-    Raises:
-        RendezvousError: the server could not be reached or authenticated with before the
-            deadline (names ``host:port``).
-    """
-
-    def __init__(self, host: str, port: int, secret: bytes, timeout: float = 30.0) -> None:
-        self._host = host
-        self._port = port
-        self._secret = secret
-        self._timeout = timeout
-        self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
-        with self._lock:
-            self._connect(time.monotonic() + timeout)
-
-    @property
-    def address(self) -> str:
-        """``host:port`` of the server."""
-        return f"{self._host}:{self._port}"
-
-    @property
-    def timeout(self) -> float:
-        """The default timeout in seconds."""
-        return self._timeout
-
-    def _connect(self, deadline: float) -> socket.socket:
-        delay = 0.02
-        last: BaseException | None = None
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                sock = socket.create_connection((self._host, self._port), timeout=left)
-            except OSError as exc:
-                last = exc
-                time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-                delay = min(delay * 2, 0.5)
-                continue
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                auth.client_handshake(sock, self._secret, deadline, AUTH_CONTEXT)
-            except AuthenticationError as exc:
-                sock.close()
-                raise RendezvousError(
-                    f"could not authenticate with the rendezvous store at {self.address}: {exc}"
-                ) from exc
-            except BaseException:
-                sock.close()
-                raise
-            self._sock = sock
-            return sock
-        raise RendezvousError(
-            f"could not connect to the rendezvous store at {self.address} within "
-            f"{self._timeout:.1f} s (last error: {last}). HINT: check that the launcher (or "
-            "rank 0) is running and that HORA_RENDEZVOUS_ADDR/HORA_RENDEZVOUS_PORT point at it "
-            "and are reachable from this host; raise HORA_START_TIMEOUT if start-up is slow."
-        )
-
-    def _call(self, req: StoreRequest, wait: float = 0.0) -> tuple[int, bytes]:
-        payload = encode_request(req)
-        with self._lock:
-            deadline = time.monotonic() + wait + self._timeout
-            sock = self._sock or self._connect(deadline)
-            try:
-                _send_frame(sock, payload, deadline)
-                response = _recv_frame(sock, deadline, self._timeout)
-                if not response:
-                    raise EOFError("the store closed the connection")
-            except (OSError, EOFError, FrameError) as exc:
-                sock.close()
-                self._sock = None
-                raise RendezvousError(
-                    f"lost the connection to the rendezvous store at {self.address} ({exc}). "
-                    "HINT: the launcher (or rank 0, which serves the store without a launcher) "
-                    "probably exited; see its output."
-                ) from exc
-        status, body = response[0], response[1:]
-        if status == ERROR:
-            raise RendezvousError(f"rendezvous store at {self.address}: {body.decode()}")
-        return status, body
-
-    def set(self, scope: str, key: str, value: bytes) -> None:
-        """Store ``value`` under ``scope``/``key`` (overwrites), waking any waiting ``get``.
-
-        Raises:
-            RendezvousError: the store is unreachable.
-        """
-        self._call(StoreRequest(OP_SET, scope, key, value=bytes(value)))
-
-    def get(self, scope: str, key: str, timeout: float | None = None) -> bytes:
-        """The value of ``scope``/``key``, waiting up to ``timeout`` s for it to appear.
-
-        Args:
-            timeout: seconds to wait (None: the client's default; 0: do not wait).
-
-        Raises:
-            RendezvousTimeoutError: the key did not appear in time (names scope, key, the knob).
-            RendezvousError: the store is unreachable.
-        """
-        wait = self._timeout if timeout is None else max(0.0, timeout)
-        status, body = self._call(StoreRequest(OP_GET, scope, key, timeout=wait), wait)
-        if status != OK:
-            raise RendezvousTimeoutError(
-                f"key {key!r} in scope {scope!r} did not appear in the rendezvous store at "
-                f"{self.address} within {wait:.1f} s. {_TIMEOUT_HINT}"
-            )
-        return body
-
-    def wait(self, scope: str, keys: Iterable[str], timeout: float | None = None
-             ) -> dict[str, bytes]:
-        """Wait until every key of ``keys`` exists in ``scope``; returns their values.
-
-        Raises:
-            RendezvousTimeoutError: some keys did not appear in time; the message lists them.
-            RendezvousError: the store is unreachable.
-        """
-        wanted = list(keys)
-        wait = self._timeout if timeout is None else max(0.0, timeout)
-        deadline = time.monotonic() + wait
-        values: dict[str, bytes] = {}
-        for key in wanted:
-            try:
-                values[key] = self.get(scope, key, max(0.0, deadline - time.monotonic()))
-            except RendezvousTimeoutError:
-                missing = self.missing(scope, wanted)
-                shown = ", ".join(missing[:32]) + (" ..." if len(missing) > 32 else "")
-                raise RendezvousTimeoutError(
-                    f"{len(missing)} of {len(wanted)} keys in scope {scope!r} did not appear in "
-                    f"the rendezvous store at {self.address} within {wait:.1f} s; missing: "
-                    f"{shown}. {_TIMEOUT_HINT}"
-                ) from None
-        return values
-
-    def missing(self, scope: str, keys: Iterable[str]) -> list[str]:
-        """Those of ``keys`` that do not exist in ``scope`` right now (no waiting).
-
-        Raises:
-            RendezvousError: the store is unreachable.
-        """
-        return [k for k in keys if self._call(StoreRequest(OP_GET, scope, k, timeout=0.0))[0] != OK]
-
-    def delete(self, scope: str, key: str) -> bool:
-        """Remove ``scope``/``key``; returns whether it existed.
-
-        Raises:
-            RendezvousError: the store is unreachable.
-        """
-        _, body = self._call(StoreRequest(OP_DELETE, scope, key))
-        return body == b"\x01"
-
-    def add(self, scope: str, key: str, delta: int = 1) -> int:
-        """Atomically add ``delta`` to the integer counter at ``scope``/``key`` (absent = 0).
-
-        Returns:
-            The new value. ``get`` on the key returns it as ASCII decimal.
-
-        Raises:
-            RendezvousError: the store is unreachable or the key holds a non-integer value.
-        """
-        _, body = self._call(StoreRequest(OP_ADD, scope, key, delta=delta))
-        value: int = _I64.unpack(body)[0]
-        return value
-
-    def close(self) -> None:
-        """Close the connection. Idempotent."""
-        with self._lock:
-            if self._sock is not None:
-                self._sock.close()
-                self._sock = None
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
@@ -455,6 +251,4 @@ def _shutdown(sock: socket.socket) -> None:
         pass
 
 
-__all__ = ["ERROR", "MAX_FRAME", "MISSING", "OK", "OP_ADD", "OP_DELETE", "OP_GET", "OP_SET",
-           "FrameError", "KVStoreClient", "KVStoreServer", "StoreRequest", "decode_request",
-           "encode_request"]
+__all__ = ["MAX_WAIT_SECONDS", "KVStoreServer"]

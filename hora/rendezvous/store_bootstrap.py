@@ -12,7 +12,8 @@ from hora._util.log import get_logger
 from hora._util.net import is_loopback
 from hora.errors import RendezvousError
 from hora.rendezvous.env import WorldInfo
-from hora.rendezvous.kvstore import KVStoreClient, KVStoreServer
+from hora.rendezvous.kvstore import KVStoreServer
+from hora.rendezvous.store_client import KVStoreClient
 
 log = get_logger(__name__)
 

@@ -16,6 +16,9 @@ from hora.errors import FrameError
 MAX_FRAME = 64 * 1024 * 1024 + 1024
 """Largest frame payload either side accepts; a longer length field drops the connection."""
 
+AUTH_CONTEXT = b"hora-kvstore"
+"""The context both ends of a store connection bind into the handshake (:mod:`hora._util.auth`)."""
+
 OP_SET, OP_GET, OP_DELETE, OP_ADD = 1, 2, 3, 4
 OK, MISSING, ERROR = 0, 1, 2
 

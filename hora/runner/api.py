@@ -36,7 +36,8 @@ from typing import Any
 from hora._util.net import interface_names, local_hostname
 from hora.config import load
 from hora.errors import ConfigError, RankFailedError
-from hora.rendezvous.kvstore import KVStoreClient, KVStoreServer
+from hora.rendezvous.kvstore import KVStoreServer
+from hora.rendezvous.store_client import KVStoreClient
 from hora.runner import launch as _launch
 from hora.runner import run_func as _proto
 from hora.runner import ssh

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hora.config import load
-from hora.rendezvous.kvstore import KVStoreClient
+from hora.rendezvous.store_client import KVStoreClient
 
 STORE_VAR = "_HORA_RUN_STORE"
 """``host:port`` of the store of one :func:`hora.run` call (not ``HORA_*``: not a knob)."""

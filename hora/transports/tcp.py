@@ -42,7 +42,7 @@ from hora.transports.tcp_mesh import TIMEOUT_HINT as _TIMEOUT_HINT
 from hora.transports.tcp_mesh import connect_mesh
 
 if TYPE_CHECKING:
-    from hora.rendezvous.kvstore import KVStoreClient
+    from hora.rendezvous.store_client import KVStoreClient
 
 log = get_logger(__name__)
 

@@ -39,7 +39,7 @@ from hora.errors import (
 )
 
 if TYPE_CHECKING:
-    from hora.rendezvous.kvstore import KVStoreClient
+    from hora.rendezvous.store_client import KVStoreClient
 
 log = get_logger(__name__)
 

@@ -27,17 +27,18 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from hora._util import auth
-from hora.errors import RendezvousError, RendezvousTimeoutError
-from hora.rendezvous import kvstore
-from hora.rendezvous.kvstore import (
+from hora.errors import FrameError, RendezvousError, RendezvousTimeoutError
+from hora.rendezvous import store_wire
+from hora.rendezvous.kvstore import KVStoreServer
+from hora.rendezvous.store_client import KVStoreClient
+from hora.rendezvous.store_wire import (
+    AUTH_CONTEXT,
     MAX_FRAME,
+    OK,
     OP_ADD,
     OP_DELETE,
     OP_GET,
     OP_SET,
-    FrameError,
-    KVStoreClient,
-    KVStoreServer,
     StoreRequest,
     decode_request,
     encode_request,
@@ -52,7 +53,7 @@ _VALUES = st.one_of(st.binary(max_size=40), st.integers(-5, 5).map(lambda i: str
 
 def _authed(port: int) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=5.0)
-    auth.client_handshake(sock, SECRET, time.monotonic() + 5.0, kvstore.AUTH_CONTEXT)
+    auth.client_handshake(sock, SECRET, time.monotonic() + 5.0, AUTH_CONTEXT)
     return sock
 
 
@@ -215,7 +216,7 @@ class StoreProtocol(RuleBasedStateMachine):
                 break
             got += chunk
         sock.close()
-        assert got == struct.pack("!IB", 1, kvstore.OK) * len(reqs)
+        assert got == struct.pack("!IB", 1, OK) * len(reqs)
         for r in reqs:
             self.model[r.scope, r.key] = r.value
 
@@ -303,12 +304,12 @@ def test_length_field_bounds_allocation(length: int, sent: int) -> None:
         return real(*args)
 
     a, b = socket.socketpair()
-    kvstore.bytearray = watching  # type: ignore[attr-defined]
+    store_wire.bytearray = watching  # type: ignore[attr-defined]
     try:
         a.sendall(struct.pack("!I", length) + b"x" * min(sent, length))
         a.close()
         try:
-            payload = kvstore._recv_frame(b, time.monotonic() + 2.0, 2.0)
+            payload = store_wire._recv_frame(b, time.monotonic() + 2.0, 2.0)
         except FrameError:
             assert length > MAX_FRAME
         except EOFError:
@@ -316,6 +317,6 @@ def test_length_field_bounds_allocation(length: int, sent: int) -> None:
         else:
             assert payload == b"x" * length
     finally:
-        del kvstore.bytearray  # type: ignore[attr-defined]
+        del store_wire.bytearray  # type: ignore[attr-defined]
         b.close()
     assert all(n <= MAX_FRAME and n <= max(length, 4) for n in allocations), allocations

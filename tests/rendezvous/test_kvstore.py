@@ -16,17 +16,17 @@ from hypothesis import strategies as st
 
 from hora._util import auth
 from hora._util.net import free_port
-from hora.errors import RendezvousError, RendezvousTimeoutError
-from hora.rendezvous import kvstore, store_wire
-from hora.rendezvous.kvstore import (
+from hora.errors import FrameError, RendezvousError, RendezvousTimeoutError
+from hora.rendezvous import store_wire
+from hora.rendezvous.kvstore import KVStoreServer
+from hora.rendezvous.store_client import KVStoreClient
+from hora.rendezvous.store_wire import (
+    AUTH_CONTEXT,
     MAX_FRAME,
     OP_ADD,
     OP_DELETE,
     OP_GET,
     OP_SET,
-    FrameError,
-    KVStoreClient,
-    KVStoreServer,
     StoreRequest,
     decode_request,
     encode_request,
@@ -49,7 +49,7 @@ def client(server: KVStoreServer) -> Iterator[KVStoreClient]:
 
 def _authed_socket(server: KVStoreServer) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=5.0)
-    auth.client_handshake(sock, SECRET, time.monotonic() + 5.0, kvstore.AUTH_CONTEXT)
+    auth.client_handshake(sock, SECRET, time.monotonic() + 5.0, AUTH_CONTEXT)
     return sock
 
 

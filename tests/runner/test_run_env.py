@@ -108,7 +108,7 @@ def test_secret_is_in_the_environment_only_never_in_argv(tmp_path: Path) -> None
 
 def test_ranks_reach_the_launchers_rendezvous_store() -> None:
     code = (
-        "import os; from hora.rendezvous.kvstore import KVStoreClient\n"
+        "import os; from hora.rendezvous.store_client import KVStoreClient\n"
         "e = os.environ; r = int(e['HORA_RANK'])\n"
         "c = KVStoreClient(e['HORA_RENDEZVOUS_ADDR'], int(e['HORA_RENDEZVOUS_PORT']),"
         " bytes.fromhex(e['HORA_SECRET_KEY']), timeout=10)\n"

@@ -30,7 +30,8 @@ SECRET = b"conformance-secret"
 
 
 def _tcp_factory(cleanup: list[Any]) -> MakeWorld:
-    from hora.rendezvous.kvstore import KVStoreClient, KVStoreServer
+    from hora.rendezvous.kvstore import KVStoreServer
+    from hora.rendezvous.store_client import KVStoreClient
     from hora.transports.tcp import TcpTransport
 
     def make(n: int, timeout: float = 10.0) -> list[Transport]:

@@ -24,7 +24,8 @@ from hora.errors import (
     RendezvousTimeoutError,
     TransportError,
 )
-from hora.rendezvous.kvstore import KVStoreClient, KVStoreServer
+from hora.rendezvous.kvstore import KVStoreServer
+from hora.rendezvous.store_client import KVStoreClient
 from hora.transports import tcp
 from hora.transports.base import MAX_CONTROL_MESSAGE
 from hora.transports.tcp import TcpTransport
@@ -189,7 +190,7 @@ def test_small_send_chunk_still_correct(server: KVStoreServer, cleanup: list[Any
 
 _CHILD = r"""
 import sys, time
-from hora.rendezvous.kvstore import KVStoreClient
+from hora.rendezvous.store_client import KVStoreClient
 from hora.transports.tcp import TcpTransport
 port, secret = int(sys.argv[1]), bytes.fromhex(sys.argv[2])
 store = KVStoreClient("127.0.0.1", port, secret, 10.0)
