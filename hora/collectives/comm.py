@@ -142,4 +142,17 @@ class Fabric(Protocol):
         """Wait until every peer has posted ``target`` signals."""
         ...
 
+    @property
+    def spin_checks(self) -> int:
+        """How many times a wait checks its word before it sleeps."""
+        ...
+
+    def board(self, peer: int) -> memoryview:
+        """``peer``'s board: shared uint32 words for protocols above (the fast lane's)."""
+        ...
+
+    def board_address(self, peer: int, word: int) -> int:
+        """Address of word ``word`` of ``peer``'s board (for futex waits and wakes)."""
+        ...
+
     def close(self) -> None: ...

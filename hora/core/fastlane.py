@@ -6,14 +6,14 @@ its response (dtype, shape, op, scale factors) in a numbered *slot*, assigned wh
 response runs, so every member numbers slots alike. A later allreduce of ``n`` with the same
 properties is a *hit*: it needs no negotiation, only agreement on *when* to run it.
 
-**Logs.** Each member owns an append-only log in its shared-memory board
-(:meth:`~hora.transports.shm_fabric.ShmFabric.board`). Every allreduce submitted on the set
-appends exactly one entry: its slot on a hit, ``MISS`` otherwise (the op then takes the
-negotiated path, as before). So position ``p`` of every member's log is that member's ``p``-th
-allreduce on the set.
+**Logs.** Each member owns an append-only log in its shared-memory board (every board word
+is read and written by :class:`~hora.transports.shm_board.LaneBoards`). Every allreduce
+submitted on the set appends exactly one entry: its slot on a hit, ``MISS`` otherwise (the op
+then takes the negotiated path, as before). So position ``p`` of every member's log is that
+member's ``p``-th allreduce on the set.
 
-**Decisions.** Group rank 0 (the *leader*) reads position ``p`` of every log and publishes one
-decision in its board:
+**Decisions.** Group rank 0 (the *leader*, :mod:`hora.core.lane_leader`) reads position ``p``
+of every log and publishes one decision in its board:
 
 * ``FAST k``: positions ``p .. p+k-1`` hold the same slot on every member, with one dtype, op
   and scales and at most ``HOROVOD_FUSION_THRESHOLD`` bytes in all: every member runs them as
@@ -48,15 +48,12 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from hora._util.log import get_logger
 from hora.collectives.ops import to_dtype
 from hora.config import Config
 from hora.core.agreement import (
-    FusionKey,
-    Signature,
     agrees,
     fusion_key,
     response_signature,
@@ -64,19 +61,19 @@ from hora.core.agreement import (
 from hora.core.entry import Entry
 from hora.core.executor import Executor
 from hora.core.handle import BLOCKED_AFTER_S
+from hora.core.lane_leader import Leader, Slot
 from hora.core.messages import OpKind, Response
 from hora.core.routing import Route
 from hora.errors import HoraError, HoraInternalError, ShutdownError
-from hora.transports.shm import futex_wait, futex_wake
-from hora.transports.shm_fabric import BOARD_WORDS, ShmFabric
+from hora.transports.shm_board import (
+    DIVERGED,
+    FAST,
+    LOG_CAPACITY,
+    MISS,
+    LaneBoards,
+)
 
 log = get_logger(__name__)
-
-LOG_CAPACITY = 2048
-"""Log entries per member: appends this far ahead of the slowest member close the log."""
-
-DECISION_CAPACITY = 1024
-"""Published decisions not yet read by every member, at most."""
 
 IDLE_SLICE_S = 0.05
 """Doorbell wait slice with nothing pending."""
@@ -91,46 +88,6 @@ benchmarks/allreduce.py (6.3 ms against 7.4-9.0 ms through the lane)."""
 
 DRIVER_SPIN_FACTOR = 8
 """A waiting caller checks its doorbell this many times a collective's spin before sleeping."""
-
-# Board words (uint32), see hora.transports.shm_fabric.ShmFabric.board.
-(_COUNT, _OFF_AT, _CONSUMED, _DOORBELL, _DECISIONS, _DECISIONS_READ, _LANE_BELL,
- _DRIVING, _ASLEEP) = range(9)
-_LOG = 16
-_DEC = _LOG + LOG_CAPACITY
-assert _DEC + DECISION_CAPACITY <= BOARD_WORDS
-
-MISS = 0xFFFFFFFF
-_UNWRITTEN, _CLOSED, _DIFFERENT = -2, -3, -4  # what _look finds instead of a common slot
-FAST, DIVERGED, OFF = 0, 1, 2
-_SHIFT = 28
-_LENGTH = (1 << _SHIFT) - 1
-_MASK, _HALF = 0xFFFFFFFF, 0x80000000
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One cached allreduce response: a request with the same name and
-    :func:`~hora.core.agreement.signature` is a hit."""
-
-    index: int
-    name: str
-    signature: Signature
-    shape: tuple[int, ...]
-    nbytes: int
-    fusion: FusionKey
-
-    def fuses_with(self, other: Slot) -> bool:
-        return self.fusion == other.fusion
-
-
-def _written(count: int, position: int) -> bool:
-    """Whether a log whose count word is ``count`` holds ``position`` (32-bit wrap-around)."""
-    return 0 < ((count - position) & _MASK) < _HALF
-
-
-def _closed_at(off_word: int, position: int) -> bool:
-    """Whether a log whose off word is ``off_word`` was closed at or before ``position``."""
-    return off_word != 0 and ((position - (off_word - 1)) & _MASK) < _HALF
 
 
 class FastLane:
@@ -153,8 +110,6 @@ class FastLane:
         if lane_route is None or route.lane_group is None:
             raise ValueError("the route has no lane group")
         fabric = route.lane_group.fabric
-        if not isinstance(fabric, ShmFabric):
-            raise TypeError("the fast lane needs a ShmFabric")
         self.set_id = set_id
         self._route = lane_route
         self._fabric = fabric
@@ -165,20 +120,16 @@ class FastLane:
         self._failed = failed
         self.size = fabric.size
         self.rank = fabric.rank
-        self._leader = self.rank == 0
-        self._boards = [fabric.board(r) for r in range(self.size)]
-        self._own = self._boards[self.rank]
-        self._own_bell = fabric.board_address(self.rank, _DOORBELL)
-        self._own_lane_bell = fabric.board_address(self.rank, _LANE_BELL)
-        self._bells = [fabric.board_address(r, _DOORBELL) for r in range(self.size)]
-        self._lane_bells = [fabric.board_address(r, _LANE_BELL) for r in range(self.size)]
+        self._boards = LaneBoards(fabric)
+        self._leader = None if self.rank else Leader(
+            set_id, self._boards, lane_route,
+            limit=min(max(0, config.fusion_threshold), MAX_BYTES),
+            stall_s=0.0 if config.stall_check_disable
+            else max(0.0, config.stall_check_time_seconds))
         # A waiter spins longer than a collective's wait: its peer is a whole op of Python
         # behind (tens of microseconds), and sleeping costs a wake-up on both sides.
         self._spin = fabric.spin_checks * DRIVER_SPIN_FACTOR
-        self._limit = min(max(0, config.fusion_threshold), MAX_BYTES)
         self._capacity = config.cache_capacity
-        self._stall_s = (0.0 if config.stall_check_disable
-                         else max(0.0, config.stall_check_time_seconds))
         # cache (written on the engine thread, read by submitters and the lane thread)
         self._slots: list[Slot] = []
         self._by_name: dict[str, Slot] = {}
@@ -198,10 +149,6 @@ class FastLane:
         self._drive_lock = threading.Lock()
         self._consumed = 0
         self._read = 0
-        self._decided = 0  # leader: next undecided position
-        self._published = 0  # leader: decisions published
-        self._undecided_since: float | None = None
-        self._published_off = False
         self._stale = False
         self.thread_ops = 0  # of which the lane thread ran (the rest: waiting callers)
         self.batches = 0  # fused collectives run
@@ -210,10 +157,8 @@ class FastLane:
         self._thread = threading.Thread(target=self._run, name=f"hora-lane-{set_id}",
                                         daemon=True)
         if start:
-            for position in range(max(0, start - LOG_CAPACITY), start):
-                self._own[_LOG + position % LOG_CAPACITY] = MISS
+            self._boards.prefill(start)
             self._count = start
-            self._own[_COUNT] = start & _MASK
 
     def start(self) -> None:
         self._thread.start()
@@ -259,39 +204,35 @@ class FastLane:
                    and agrees(slot.signature, req))
             count = self._count
             if count - self._floor >= LOG_CAPACITY // 2:  # (a stale floor only over-counts)
-                self._floor = count - self._backlog(count)
+                self._floor = count - self._boards.backlog(count)
             if count - self._floor >= LOG_CAPACITY:
                 self._close_locked()
                 log.debug("fast lane of set %d: log full, negotiating from now on", self.set_id)
                 return False
-            own = self._own
-            own[_LOG + count % LOG_CAPACITY] = slot.index if hit and slot is not None else MISS
-            if hit:
+            if hit and slot is not None:
                 self._entries[count] = entry
                 entry.handle.driver = self._drive
-                if entry.sync:  # the caller waits at once and runs the op: ring it, not the
-                    own[_DRIVING] = 1  # lane thread (two thread hand-offs saved)
+            # A caller that waits at once runs its op: rings go to it, not to the lane thread
+            # (two thread hand-offs saved).
+            self._boards.append(count, slot.index if hit and slot is not None else MISS,
+                                hit and entry.sync)
             self._count = count + 1
-            own[_COUNT] = self._count & _MASK
-        if not self._leader:
-            self._ring(0)
+        if self._leader is None:
+            self._boards.ring(0)
         elif hit and not entry.sync:
-            self._ring_lane()  # nobody waits yet: the lane thread decides and runs it
+            self._boards.ring_lane()  # nobody waits yet: the lane thread decides and runs it
         return hit
-
-    def _backlog(self, count: int) -> int:
-        return max((count - b[_CONSUMED]) & _MASK for b in self._boards)
 
     def close_log(self) -> None:
         """Append no more (ops are negotiated from now); the leader turns the lane off here."""
         with self._append_lock:
             if not self._closed:
                 self._close_locked()
-        self._ring(0)
+        self._boards.ring(0)
 
     def _close_locked(self) -> None:
         self._closed = True
-        self._own[_OFF_AT] = (self._count + 1) & _MASK  # 0 means open
+        self._boards.close_at(self._count)
 
     def flush(self) -> None:
         """Wait until every op this rank logged has run or been handed to the negotiated path
@@ -324,35 +265,30 @@ class FastLane:
         end = None if timeout is None else time.monotonic() + timeout
         if not self._drive_lock.acquire(timeout=-1 if timeout is None else timeout):
             return
-        own = self._own
-        own[_DRIVING] = 1  # rings now wake this thread, not the lane thread
-        seen = own[_DOORBELL]
+        boards = self._boards
+        boards.set_driving(True)  # rings now wake this thread, not the lane thread
+        seen = boards.doorbell()
         try:
             while not until() and not self._stop and self._error is None:
-                seen = own[_DOORBELL]
+                seen = boards.doorbell()
                 if self._step():
                     continue
                 if end is not None and time.monotonic() >= end:
                     return
-                for _ in range(self._spin):  # a peer a step behind rings within microseconds
-                    if own[_DOORBELL] != seen:
-                        break
-                else:
-                    own[_ASLEEP] = 1  # ringers skip the wake system call unless set
-                    futex_wait(self._own_bell, seen, BUSY_SLICE_S)
-                    own[_ASLEEP] = 0
+                # a peer a step behind rings within microseconds: spin before sleeping
+                boards.wait_doorbell(seen, self._spin, BUSY_SLICE_S)
         except BaseException as exc:  # noqa: BLE001 - the lane fails; waiters see the error
             self._fail(exc)
         finally:
-            own[_DRIVING] = 0
+            boards.set_driving(False)
             self._drive_lock.release()
-            if own[_DOORBELL] != seen and self._consumed < self._count:
-                self._ring_lane()  # a ring came after our last look: pass it on
+            if boards.doorbell() != seen and self._consumed < self._count:
+                boards.ring_lane()  # a ring came after our last look: pass it on
 
     def _run(self) -> None:
         try:
             while not self._stop:
-                seen = self._own[_LANE_BELL]
+                seen = self._boards.lane_bell()
                 busy = False
                 if self._drive_lock.acquire(blocking=False):
                     try:
@@ -362,130 +298,29 @@ class FastLane:
                     finally:
                         self._drive_lock.release()
                 if not busy and not self._stop:
-                    futex_wait(self._own_lane_bell, seen,
-                               BUSY_SLICE_S if self._pending() else IDLE_SLICE_S)
+                    self._boards.wait_lane_bell(
+                        seen, BUSY_SLICE_S if self._pending() else IDLE_SLICE_S)
         except BaseException as exc:  # noqa: BLE001
             self._fail(exc)
 
     def _pending(self) -> bool:
         """Whether this rank has work in the lane: its own ops, decisions, peers' ops."""
-        return (self._consumed < self._count
-                or ((self._boards[0][_DECISIONS] - self._read) & _MASK) != 0
-                or (self._leader and any(_written(b[_COUNT], self._decided)
-                                         for b in self._boards)))
+        return (self._consumed < self._count or self._boards.decisions_waiting(self._read)
+                or (self._leader is not None and self._leader.pending()))
 
     def _step(self) -> bool:
         """Decide (leader) and apply decisions; True if anything happened."""
         if self._error is not None:
             return False
-        busy = self._decide() if self._leader else False
+        busy = self._leader.decide(self._slots) if self._leader is not None else False
         return self._apply() or busy
-
-    # ---- leader ------------------------------------------------------------------------------
-    def _look(self, p: int) -> int:
-        """Leader: what every log says at position ``p``.
-
-        Returns the slot every member logged there; :data:`_UNWRITTEN` if some member has not
-        reached ``p``; :data:`_CLOSED` if some member closed its log at or before ``p``;
-        :data:`_DIFFERENT` if they disagree or logged a miss.
-        """
-        index = _LOG + p % LOG_CAPACITY
-        common = -1
-        result = 0
-        for b in self._boards:
-            off = b[_OFF_AT]
-            if off and ((p - off + 1) & _MASK) < _HALF:
-                return _CLOSED
-            if not 0 < ((b[_COUNT] - p) & _MASK) < _HALF:
-                result = _UNWRITTEN
-                continue
-            value = b[index]
-            if common == -1:
-                common = value
-            elif value != common:
-                result = result or _DIFFERENT
-        if result:
-            return result
-        return _DIFFERENT if common == MISS or common >= len(self._slots) else common
-
-    def _decide(self) -> bool:
-        if self._published_off:
-            return False
-        room = DECISION_CAPACITY - max((self._published - b[_DECISIONS_READ]) & _MASK
-                                       for b in self._boards)
-        made = 0
-        while made < room:
-            p = self._decided
-            first = self._look(p)
-            if first == _CLOSED or (first == _UNWRITTEN and self._stalled(p)):
-                self._publish(OFF, 0)
-                made += 1
-                break
-            if first == _UNWRITTEN:
-                break
-            self._undecided_since = None
-            if first == _DIFFERENT:
-                self._publish(DIVERGED, 1)
-                self._decided = p + 1
-                made += 1
-                continue
-            slot = self._slots[first]
-            total, q = slot.nbytes, p + 1
-            while q - p < _LENGTH:
-                nxt = self._look(q)
-                if nxt < 0:
-                    if nxt == _UNWRITTEN:
-                        room = made + 1  # the outer loop would find the same: stop after this
-                    break
-                other = self._slots[nxt]
-                grown = total + other.nbytes
-                if grown > self._limit or not slot.fuses_with(other) \
-                        or not self._route.fits(grown):
-                    break
-                total = grown
-                q += 1
-            self._publish(FAST, q - p)
-            self._decided = q
-            made += 1
-        if made:
-            for peer in range(1, self.size):
-                self._ring(peer)
-        return made > 0
-
-    def _publish(self, kind: int, length: int) -> None:
-        own = self._own
-        own[_DEC + self._published % DECISION_CAPACITY] = (kind << _SHIFT) | length
-        self._published += 1
-        own[_DECISIONS] = self._published & _MASK
-        if kind == OFF:
-            self._published_off = True
-
-    def _stalled(self, p: int) -> bool:
-        """Leader: position ``p`` waits for some member; True once that took the stall time."""
-        if not any(_written(b[_COUNT], p) for b in self._boards):
-            self._undecided_since = None
-            return False
-        now = time.monotonic()
-        if self._undecided_since is None:
-            self._undecided_since = now
-            return False
-        if self._stall_s <= 0 or now - self._undecided_since < self._stall_s:
-            return False
-        missing = [r for r, b in enumerate(self._boards) if not _written(b[_COUNT], p)]
-        log.warning("fast lane of process set %d: ranks %s have not submitted their allreduce "
-                    "number %d for %.0f s; handing pending ops to the coordinator (its stall "
-                    "inspector names the tensors)", self.set_id, missing, p, now -
-                    self._undecided_since)
-        return True
 
     # ---- every member ------------------------------------------------------------------------
     def _apply(self) -> bool:
-        leader = self._boards[0]
-        own = self._own
+        boards = self._boards
         done = False
-        while not self._off and ((leader[_DECISIONS] - self._read) & _MASK) != 0:
-            word = leader[_DEC + self._read % DECISION_CAPACITY]
-            kind, length = word >> _SHIFT, word & _LENGTH
+        while not self._off and boards.decisions_waiting(self._read):
+            kind, length = boards.decision(self._read)
             if kind == FAST:
                 self._run_batch(self._consumed, length)
                 self._consumed += length
@@ -498,8 +333,7 @@ class FastLane:
             else:
                 self._go_off()
             self._read += 1
-            own[_DECISIONS_READ] = self._read & _MASK
-            own[_CONSUMED] = self._consumed & _MASK
+            boards.consumed(self._read, self._consumed)
             done = True
         return done
 
@@ -542,23 +376,6 @@ class FastLane:
             self._requeue(entry)
         log.debug("fast lane of process set %d is off: every op is negotiated", self.set_id)
 
-    def _ring(self, peer: int) -> None:
-        """Wake ``peer``'s driver: the thread waiting for a lane op, else its lane thread if it
-        has ops of its own in the lane (else there is nothing it could do yet)."""
-        board = self._boards[peer]
-        if board[_DRIVING]:
-            board[_DOORBELL] = (board[_DOORBELL] + 1) & _MASK
-            if board[_ASLEEP]:  # (a wake lost to store/load reordering costs one slice)
-                futex_wake(self._bells[peer])
-        elif board[_COUNT] != board[_CONSUMED]:
-            board[_LANE_BELL] = (board[_LANE_BELL] + 1) & _MASK
-            futex_wake(self._lane_bells[peer])
-
-    def _ring_lane(self) -> None:
-        own = self._own
-        own[_LANE_BELL] = (own[_LANE_BELL] + 1) & _MASK
-        futex_wake(self._own_lane_bell)
-
     # ---- shutdown and failure ----------------------------------------------------------------
     def _fail(self, exc: BaseException) -> None:
         if self._stop:
@@ -579,8 +396,8 @@ class FastLane:
         for entry in entries:
             entry.handle.set_error(type(error)(str(error)) if isinstance(error, HoraError)
                                    else error)
-        futex_wake(self._own_bell)
-        self._ring_lane()
+        self._boards.wake_driver()
+        self._boards.ring_lane()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the lane thread; ops still in the lane fail with ShutdownError."""
@@ -589,15 +406,14 @@ class FastLane:
             self.close_log()  # the leader hands peers' pending ops to the coordinator
             self.abort(ShutdownError("Horovod has been shut down before this op ran."))
         self._stop = True
-        self._ring_lane()
+        self._boards.ring_lane()
         if failed:  # peers blocked in a lane collective with us raise now, not at a timeout
             self._fabric.close()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         if self._drive_lock.acquire(timeout=timeout):  # no caller is running the lane now
             try:
-                for view in self._boards:
-                    view.release()
+                self._boards.release()
             finally:
                 self._drive_lock.release()
 

@@ -13,6 +13,9 @@ group from (and :mod:`hora.collectives.shm` runs collectives on):
   instead of a SIGBUS later;
 * :func:`futex_wait` / :func:`futex_wake` on a 32-bit word of a segment (Linux ``futex(2)``
   through ctypes, process-shared): a real blocking wait that another process wakes;
+* **counters**: 32-bit words that only grow (and wrap): :func:`reached` is the one wrap-around
+  compare, :func:`wait_word` the one spin-then-futex wait every shared-memory wait uses (the
+  fabric's signals, the fast lane's doorbells), :func:`ring` advances and wakes;
 * **cleanup**: an owner unlinks its segments on :meth:`Segment.close` and, as a last resort, at
   interpreter exit. Ranks killed with SIGKILL cannot; the launcher (``hora run``) removes
   ``/dev/shm/hora-<job_id>-*`` when the job ends (:func:`remove_job_segments` is the same rule,
@@ -120,6 +123,46 @@ def futex_wake(address: int) -> None:
     """Wake every process sleeping in :func:`futex_wait` on ``address``."""
     if _syscall is not None:
         _syscall(_SYS_FUTEX, address, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+
+# ---- counters: the one wrap compare and the one wait ---------------------------------------------
+MASK, HALF = 0xFFFFFFFF, 0x80000000
+"""Shared counters are 32-bit words that wrap: ``value`` has reached ``target`` when it is at most
+half the range past it."""
+
+
+def reached(value: int, target: int) -> bool:
+    """Whether 32-bit counter ``value`` has reached ``target`` (wrap-around compare)."""
+    return ((value - target) & MASK) < HALF
+
+
+def wait_word(words: memoryview, index: int, address: int, target: int, spins: int,
+              seconds: float, asleep: int = -1) -> bool:
+    """Every shared-memory wait: until counter ``words[index]`` (at ``address``) reaches ``target``.
+
+    Checks the word ``spins`` times (a peer on another core answers within microseconds), then
+    sleeps on its futex at most ``seconds``; while it sleeps, ``words[asleep]`` (if given) is 1
+    so that a ringer may skip the wake system call when nobody sleeps. Returns whether the target
+    was reached: callers loop, with their own deadline and liveness checks between slices.
+    """
+    for _ in range(spins):
+        if ((words[index] - target) & MASK) < HALF:
+            return True
+    value = words[index]
+    if ((value - target) & MASK) < HALF:
+        return True
+    if asleep >= 0:
+        words[asleep] = 1
+    futex_wait(address, value, seconds)
+    if asleep >= 0:
+        words[asleep] = 0
+    return ((words[index] - target) & MASK) < HALF
+
+
+def ring(words: memoryview, index: int, address: int) -> None:
+    """Advance counter ``words[index]`` (at ``address``) by one and wake its sleepers."""
+    words[index] = (words[index] + 1) & MASK
+    futex_wake(address)
 
 
 # ---- segments ---------------------------------------------------------------------------------
@@ -270,7 +313,10 @@ __all__ = [
     "job_id_from_env",
     "job_segments",
     "process_start_time",
+    "reached",
     "remove_job_segments",
+    "ring",
     "segment_path",
     "valid_job_id",
+    "wait_word",
 ]

@@ -35,18 +35,19 @@ from hora._util.log import get_logger
 from hora.collectives.comm import Comm
 from hora.errors import HoraTimeoutError, PeerLostError, TransportError
 from hora.transports.shm import (
+    MASK,
     MIN_CAPACITY,
     SHM_DIR,
     SPIN_ALLOWED,
     U8,
     Segment,
     capacity_for,
-    futex_wait,
     futex_wake,
     job_id_for,
     process_start_time,
     segment_path,
     valid_job_id,
+    wait_word,
 )
 
 log = get_logger(__name__)
@@ -73,7 +74,6 @@ rank then steals the core the rank it waits for needs (4 ranks on 2 cores, measu
 WAIT_SLICE_S = 0.05
 """A blocked wait wakes at least this often to check its deadline and the peer's liveness."""
 
-_MASK, _HALF = 0xFFFFFFFF, 0x80000000
 _MAGIC, _VERSION = 0x41524F48, 1  # "HORA"
 # header layout, in uint32 words; the counter sits alone on its cache line
 (_W_MAGIC, _W_VERSION, _W_STATE, _W_PID, _W_START_LO, _W_START_HI, _W_TOKEN_LO,
@@ -126,6 +126,7 @@ class ShmFabric:
         self._counter_address = segments[0].address + 4 * _W_COUNTER
         self._posted = 0
         self._peer_headers = {p: s[0].array.data.cast("I") for p, s in peers.items()}
+        self._peer_counters = {p: s[0].address + 4 * _W_COUNTER for p, s in peers.items()}
         self._peer_start = {p: self._verifiable_start(h) for p, h in self._peer_headers.items()}
         self._lost_global = getattr(comm, "ranks", None)
         self._spin = (SPIN_CHECKS if self.size <= _usable_cpus() else SPIN_CHECKS_OVERSUBSCRIBED
@@ -255,7 +256,7 @@ class ShmFabric:
 
     def post(self) -> int:
         """Signal every peer (increment this rank's counter and wake waiters); the new count."""
-        self._posted = (self._posted + 1) & _MASK
+        self._posted = (self._posted + 1) & MASK
         self._header[_W_COUNTER] = self._posted
         futex_wake(self._counter_address)
         return self._posted
@@ -266,24 +267,22 @@ class ShmFabric:
             self.wait(peer, target)
 
     def wait(self, peer: int, target: int) -> None:
-        """Wait until ``peer`` has posted ``target`` signals.
+        """Wait until ``peer`` has posted ``target`` signals (:func:`wait_word`: spin, then
+        futex slices, checking between slices that the peer is open and alive).
 
         Raises:
-            HoraTimeoutError: not within ``timeout`` seconds (names the peer).
+            HoraTimeoutError: not within ``timeout`` seconds of the first sleep (names the peer).
             PeerLostError: the peer closed its group or its process died (names it).
         """
         header = self._peer_headers[peer]
-        for _ in range(self._spin):
-            if (header[_W_COUNTER] - target) & _MASK < _HALF:
-                return
-        address = self._peers[peer][0].address + 4 * _W_COUNTER
+        address = self._peer_counters[peer]
+        if wait_word(header, _W_COUNTER, address, target, self._spin,
+                     min(WAIT_SLICE_S, self.timeout)):
+            return
         start = time.monotonic()
         deadline = start + self.timeout
-        check_alive = start + WAIT_SLICE_S
+        check_alive = start
         while True:
-            value = header[_W_COUNTER]
-            if (value - target) & _MASK < _HALF:
-                return
             if header[_W_STATE] != _READY:
                 raise self._lost(peer, "closed its shared memory group")
             now = time.monotonic()
@@ -294,10 +293,12 @@ class ShmFabric:
             if now >= deadline:
                 raise HoraTimeoutError(
                     f"rank {self.rank}: {self.describe(peer)} sent no shared-memory signal for "
-                    f"{self.timeout:g} s (waiting for signal {target}, it is at {value}); it "
-                    "may be stuck, much slower, or in a different collective. HINT: raise "
-                    "HORA_TIMEOUT_SECONDS if this is expected.")
-            futex_wait(address, value, min(WAIT_SLICE_S, deadline - now))
+                    f"{self.timeout:g} s (waiting for signal {target}, it is at "
+                    f"{header[_W_COUNTER]}); it may be stuck, much slower, or in a different "
+                    "collective. HINT: raise HORA_TIMEOUT_SECONDS if this is expected.")
+            if wait_word(header, _W_COUNTER, address, target, 0,
+                         min(WAIT_SLICE_S, deadline - now)):
+                return
 
     def _alive(self, peer: int) -> bool:
         start = self._peer_start.get(peer)
@@ -342,8 +343,8 @@ def _init_header(seg: Segment, token: int) -> None:
     pid = os.getpid()
     start = process_start_time(pid) or 0
     header[_W_MAGIC], header[_W_VERSION], header[_W_PID] = _MAGIC, _VERSION, pid
-    header[_W_START_LO], header[_W_START_HI] = start & _MASK, (start >> 32) & _MASK
-    header[_W_TOKEN_LO], header[_W_TOKEN_HI] = token & _MASK, token >> 32
+    header[_W_START_LO], header[_W_START_HI] = start & MASK, (start >> 32) & MASK
+    header[_W_TOKEN_LO], header[_W_TOKEN_HI] = token & MASK, token >> 32
     header[_W_CAP[0]] = header[_W_CAP[1]] = MIN_CAPACITY >> 10
     header[_W_COUNTER] = 0
     header[_W_STATE] = _READY

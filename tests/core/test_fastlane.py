@@ -664,14 +664,14 @@ def test_op_submitted_before_the_lane_opened_does_not_shift_the_logs(world: Any)
 
 def test_engine_stop_while_a_thread_drives_the_lane_raises_a_hora_error(
         world: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    import hora.core.fastlane as fastlane
+    import hora.transports.shm as shm
 
     w = world(2)
     for _ in range(2):
         _reduce_all(w, "drv", [np.ones(2), np.ones(2)])
     lane = w.engines[1].lane(0)
     assert lane is not None
-    real_wait = fastlane.futex_wait
+    real_wait = shm.futex_wait
 
     def slow_wait(address: int, expected: int, seconds: float) -> None:
         """The waiter is descheduled in its doorbell wait until the lane has been stopped
@@ -682,7 +682,7 @@ def test_engine_stop_while_a_thread_drives_the_lane_raises_a_hora_error(
         _eventually(lambda: lane._stop, 10.0)
         time.sleep(0.3)
 
-    monkeypatch.setattr(fastlane, "futex_wait", slow_wait)
+    monkeypatch.setattr(shm, "futex_wait", slow_wait)
     h = w.submit(1, "drv", np.ones(2), op=SUM)  # a hit; rank 0 never submits it
     caught: list[BaseException] = []
 

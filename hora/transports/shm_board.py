@@ -1,0 +1,214 @@
+"""The fast lane's words on shared-memory boards: logs, decisions and doorbells.
+
+Transport layer: every raw board word the fast lane (:mod:`hora.core.fastlane`) reads or writes
+is read or written here; the lane itself deals in positions, slot numbers and decisions. A
+board is the free part of a rank's fabric header (:meth:`~hora.transports.shm_fabric.ShmFabric.
+board`): uint32 words, zero when the group is created, readable and writable by every member.
+
+Layout of each member's board (``LOG_CAPACITY`` log entries, ``DECISION_CAPACITY`` decisions):
+
+* ``COUNT``: entries this member appended to its log (a 32-bit counter, like every counter
+  here: compared with :func:`~hora.transports.shm.reached`); entry ``p`` sits at
+  ``LOG + p % LOG_CAPACITY`` and holds a slot number or :data:`MISS`;
+* ``OFF_AT``: ``p + 1`` once this member closed its log at position ``p`` (0: open);
+* ``CONSUMED`` / ``DECISIONS_READ``: positions and decisions this member has applied (the
+  leader's flow control);
+* ``DECISIONS`` and the decision ring at ``DEC``: the leader's published decisions, one word
+  each: ``kind << 28 | length``;
+* ``DOORBELL`` / ``DRIVING`` / ``ASLEEP``: the bell of a thread waiting for one of its lane ops
+  (the *driver*); ``ASLEEP`` tells a ringer whether the wake system call is needed;
+* ``LANE_BELL``: the bell of the member's lane thread.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from hora.transports.shm import MASK, futex_wake, reached, ring, wait_word
+from hora.transports.shm_fabric import BOARD_WORDS
+
+LOG_CAPACITY = 2048
+"""Log entries per member: appends this far ahead of the slowest member close the log."""
+
+DECISION_CAPACITY = 1024
+"""Published decisions not yet read by every member, at most."""
+
+(COUNT, OFF_AT, CONSUMED, DOORBELL, DECISIONS, DECISIONS_READ, LANE_BELL, DRIVING,
+ ASLEEP) = range(9)
+LOG = 16
+DEC = LOG + LOG_CAPACITY
+assert DEC + DECISION_CAPACITY <= BOARD_WORDS
+
+MISS = 0xFFFFFFFF
+"""Log entry of an op that is not a hit (it takes the negotiated path)."""
+
+UNWRITTEN, CLOSED, DIFFERENT = -2, -3, -4
+"""What :meth:`LaneBoards.look` finds at a position instead of one common slot."""
+
+FAST, DIVERGED, OFF = 0, 1, 2
+"""Decision kinds (see :mod:`hora.core.fastlane`)."""
+
+_SHIFT = 28
+MAX_LENGTH = (1 << _SHIFT) - 1
+"""Longest run of positions one decision covers."""
+
+
+class Boards(Protocol):
+    """What the lane needs of a same-host fabric (:class:`~hora.transports.shm_fabric.ShmFabric`
+    and the ``Fabric`` protocol of :mod:`hora.collectives.comm` provide it)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def spin_checks(self) -> int: ...
+
+    def board(self, peer: int) -> memoryview: ...
+
+    def board_address(self, peer: int, word: int) -> int: ...
+
+
+class LaneBoards:
+    """Every member's board of one lane group, as this rank reads and writes them.
+
+    Writes to this rank's own board come from one thread at a time (the caller's locks);
+    reads of peers' boards may race with their writes, which only ever advance counters.
+    """
+
+    def __init__(self, fabric: Boards) -> None:
+        self.rank, self.size = fabric.rank, fabric.size
+        self.spin_checks = fabric.spin_checks
+        self._boards = [fabric.board(r) for r in range(self.size)]
+        self._own = self._boards[self.rank]
+        self._leader = self._boards[0]
+        self._bells = [fabric.board_address(r, DOORBELL) for r in range(self.size)]
+        self._lane_bells = [fabric.board_address(r, LANE_BELL) for r in range(self.size)]
+
+    # ---- this member's log --------------------------------------------------------------------
+    def prefill(self, start: int) -> None:
+        """Log ``start`` misses (ops submitted before the lane existed)."""
+        own = self._own
+        for position in range(max(0, start - LOG_CAPACITY), start):
+            own[LOG + position % LOG_CAPACITY] = MISS
+        own[COUNT] = start & MASK
+
+    def append(self, position: int, value: int, driving: bool) -> None:
+        """Write log entry ``position`` (a slot or :data:`MISS`) and publish the new count;
+        ``driving``: the caller will wait for it at once (rings go to the caller)."""
+        own = self._own
+        own[LOG + position % LOG_CAPACITY] = value
+        if driving:
+            own[DRIVING] = 1
+        own[COUNT] = (position + 1) & MASK
+
+    def backlog(self, count: int) -> int:
+        """How far the slowest member's consumed position is behind ``count``."""
+        return max((count - b[CONSUMED]) & MASK for b in self._boards)
+
+    def close_at(self, count: int) -> None:
+        """Close this member's log at position ``count`` (it appends no more)."""
+        self._own[OFF_AT] = (count + 1) & MASK
+
+    def consumed(self, decisions_read: int, position: int) -> None:
+        """Publish how many decisions and positions this member has applied."""
+        own = self._own
+        own[DECISIONS_READ] = decisions_read & MASK
+        own[CONSUMED] = position & MASK
+
+    # ---- decisions ----------------------------------------------------------------------------
+    def decisions_waiting(self, read: int) -> bool:
+        """Whether the leader published decisions past the ``read`` this member applied."""
+        return ((self._leader[DECISIONS] - read) & MASK) != 0
+
+    def decision(self, index: int) -> tuple[int, int]:
+        """The leader's decision ``index``: (kind, length)."""
+        word = self._leader[DEC + index % DECISION_CAPACITY]
+        return word >> _SHIFT, word & MAX_LENGTH
+
+    # ---- leader -------------------------------------------------------------------------------
+    def look(self, p: int, slots: int) -> int:
+        """What every log says at position ``p``: the slot every member logged there (below
+        ``slots``); :data:`UNWRITTEN` if some member has not reached ``p``; :data:`CLOSED` if
+        some member closed its log at or before ``p``; :data:`DIFFERENT` if they disagree or
+        logged a miss."""
+        index = LOG + p % LOG_CAPACITY
+        common = -1
+        result = 0
+        for b in self._boards:
+            off = b[OFF_AT]
+            if off and reached(p, off - 1):
+                return CLOSED
+            if not reached(b[COUNT], p + 1):
+                result = UNWRITTEN
+                continue
+            value = b[index]
+            if common == -1:
+                common = value
+            elif value != common:
+                result = result or DIFFERENT
+        if result:
+            return result
+        return DIFFERENT if common == MISS or common >= slots else common
+
+    def written(self, p: int) -> list[bool]:
+        """Per member: whether its log holds position ``p``."""
+        return [reached(b[COUNT], p + 1) for b in self._boards]
+
+    def decision_room(self, published: int) -> int:
+        """Decisions the leader may publish before one overwrites an unread one."""
+        return DECISION_CAPACITY - max((published - b[DECISIONS_READ]) & MASK
+                                       for b in self._boards)
+
+    def publish(self, index: int, kind: int, length: int) -> None:
+        """Leader: publish decision ``index``."""
+        own = self._own
+        own[DEC + index % DECISION_CAPACITY] = (kind << _SHIFT) | length
+        own[DECISIONS] = (index + 1) & MASK
+
+    # ---- bells --------------------------------------------------------------------------------
+    def doorbell(self) -> int:
+        return int(self._own[DOORBELL])
+
+    def lane_bell(self) -> int:
+        return int(self._own[LANE_BELL])
+
+    def set_driving(self, driving: bool) -> None:
+        """Whether a caller drives this member's lane (rings wake it, not the lane thread)."""
+        self._own[DRIVING] = 1 if driving else 0
+
+    def wait_doorbell(self, seen: int, spins: int, seconds: float) -> bool:
+        """Driver: wait for a ring after ``seen``; True if one came."""
+        return wait_word(self._own, DOORBELL, self._bells[self.rank], (seen + 1) & MASK,
+                         spins, seconds, ASLEEP)
+
+    def wait_lane_bell(self, seen: int, seconds: float) -> bool:
+        """Lane thread: sleep until a ring after ``seen``; True if one came."""
+        return wait_word(self._own, LANE_BELL, self._lane_bells[self.rank], (seen + 1) & MASK,
+                         0, seconds)
+
+    def ring(self, peer: int) -> None:
+        """Wake ``peer``'s driver: the thread waiting for a lane op, else its lane thread if it
+        has ops of its own in the lane (else there is nothing it could do yet)."""
+        board = self._boards[peer]
+        if board[DRIVING]:
+            board[DOORBELL] = (board[DOORBELL] + 1) & MASK
+            if board[ASLEEP]:  # (a wake lost to store/load reordering costs one slice)
+                futex_wake(self._bells[peer])
+        elif board[COUNT] != board[CONSUMED]:
+            ring(board, LANE_BELL, self._lane_bells[peer])
+
+    def ring_lane(self) -> None:
+        """Wake this member's lane thread."""
+        ring(self._own, LANE_BELL, self._lane_bells[self.rank])
+
+    def wake_driver(self) -> None:
+        """Wake this member's driver, whatever it waits for (failure, shutdown)."""
+        futex_wake(self._bells[self.rank])
+
+    def release(self) -> None:
+        """Drop the views (before the fabric unmaps the boards)."""
+        for view in self._boards:
+            view.release()
