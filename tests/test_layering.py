@@ -20,6 +20,8 @@ ALLOWED: dict[str, set[str]] = {
                          "hora.timeline"},
     "hora.runner": BASE | {"hora.runner", "hora.rendezvous", "hora.timeline"},
     "hora.torch": BASE | {"hora.torch", "hora.core", "hora.collectives.ops", "hora"},
+    "hora.tensorflow": BASE | {"hora.tensorflow", "hora.core", "hora.collectives.ops", "hora"},
+    "hora.keras": BASE | {"hora.keras", "hora.tensorflow", "hora"},
     # hora.run (Horovod's horovod.run) imports the launcher's Python API lazily, on first call.
     "hora": BASE | {"hora.core", "hora.collectives.ops", "hora.runner.api"},
 }
@@ -73,7 +75,8 @@ def test_no_upward_imports() -> None:
 def test_runner_never_imports_the_engine() -> None:
     for path in (ROOT / "runner").rglob("*.py"):
         for _, target in _imports(path):
-            assert not target.startswith(("hora.core", "hora.torch", "hora.transports")), (
+            assert not target.startswith(("hora.core", "hora.torch", "hora.tensorflow",
+                                          "hora.keras", "hora.transports")), (
                 f"{path} imports {target}")
 
 
@@ -132,7 +135,7 @@ MAX_LINES = 450
 
 TO_SPLIT = {  # over the limit when the limit came in; each may only shrink until it is split
     "transports/tcp.py": 493,
-    "core/engine.py": 488, "timeline/summary.py": 500, "timeline/writer.py": 509,
+    "timeline/summary.py": 500, "timeline/writer.py": 509,
     "runner/cli.py": 486,
 }
 

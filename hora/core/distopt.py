@@ -12,7 +12,11 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+import numpy as np
+
 from hora.collectives.ops import ReduceOp
+from hora.core import api
+from hora.core.process_set import ProcessSet
 
 T = TypeVar("T")
 
@@ -99,7 +103,8 @@ def split_list(items: Sequence[T], parts: int) -> list[list[T]]:
     return [group for group in out if group]
 
 
-def check_explicit_groups(groups: list[Any], is_tensor: Any) -> None:
+def check_explicit_groups(groups: list[Any], is_tensor: Any,
+                          kind: str = "torch.Tensor") -> None:
     """A list of groups must hold tensors (``is_tensor(x)``), each at most once.
 
     Raises:
@@ -109,11 +114,65 @@ def check_explicit_groups(groups: list[Any], is_tensor: Any) -> None:
     for group in groups:
         for p in group:
             if not is_tensor(p):
-                raise ValueError("groups must consist of tensors (torch.Tensor).")
+                raise ValueError(f"groups must consist of tensors ({kind}).")
             if id(p) in seen:
                 raise ValueError("A parameter can only appear once in groups.")
             seen.add(id(p))
 
 
-__all__ = ["check_explicit_groups", "check_named_parameters", "check_options", "default_names",
-           "scale_factors", "split_list"]
+def group_indices(count: int, groups: Any, group_of: Any = None) -> list[list[int]]:
+    """Gradient positions ``0..count-1`` split into groups: an int k gives k contiguous, nearly
+    equal groups; a list of lists gives one group per list (``group_of(i)`` is the index of the
+    list that holds gradient ``i``, or None); positions in no group stay alone."""
+    if groups is None:
+        return [[i] for i in range(count)]
+    if isinstance(groups, int):
+        return split_list(list(range(count)), groups)
+    by_group: dict[int, list[int]] = {}
+    alone: list[list[int]] = []
+    for i in range(count):
+        g = group_of(i) if group_of is not None else None
+        if g is None:
+            alone.append([i])
+        else:
+            by_group.setdefault(g, []).append(i)
+    return [by_group[g] for g in sorted(by_group)] + alone
+
+
+def allreduce_groups(arrays: Sequence[np.ndarray], names: Sequence[str],
+                     groups: Sequence[Sequence[int]], op: int, prescale: float,
+                     postscale: float, process_set: ProcessSet) -> list[np.ndarray]:
+    """Allreduce host arrays (gradients of a step) and wait for all of them.
+
+    Each group (positions in ``arrays``) of more than one array is one grouped allreduce named
+    after its first member; single arrays are allreduced alone (the engine fuses them). Every op
+    is waited for before the first error is raised, so none is left in flight.
+    """
+    handles = []
+    for group in groups:
+        if len(group) == 1:
+            i = group[0]
+            handles.append(([i], api.allreduce_async(
+                arrays[i], name=names[i], op=ReduceOp(op), prescale_factor=prescale,
+                postscale_factor=postscale, process_set=process_set)))
+        elif group:
+            handles.append((list(group), api.grouped_allreduce_async(
+                [arrays[i] for i in group], name=names[group[0]], op=ReduceOp(op),
+                prescale_factor=prescale, postscale_factor=postscale, process_set=process_set)))
+    out: list[np.ndarray] = list(arrays)
+    first_error: BaseException | None = None
+    for members, handle in handles:
+        try:
+            result = handle.wait()
+        except BaseException as exc:  # noqa: BLE001 - wait for the rest, then raise
+            first_error = first_error or exc
+            continue
+        for i, r in zip(members, result if len(members) > 1 else [result]):
+            out[i] = r
+    if first_error is not None:
+        raise first_error
+    return out
+
+
+__all__ = ["allreduce_groups", "check_explicit_groups", "check_named_parameters", "check_options",
+           "default_names", "group_indices", "scale_factors", "split_list"]

@@ -1,0 +1,140 @@
+"""TensorFlow tensors <-> the core's host buffers, eagerly and inside ``tf.function``.
+
+Every collective of this adapter is a function over numpy arrays (the core's one definition of
+the op, run through :data:`HOST`, a :class:`~hora.core.spellings.Bridge` with TensorFlow's
+dtype tables) wrapped by :func:`host_call`:
+
+* eagerly, the tensors' host values are handed over (``EagerTensor.numpy()``) and the results
+  come back as tensors;
+* in a graph (``tf.function``, Keras ``fit``), the call becomes one ``tf.numpy_function`` op
+  (stateful, so ``tf.function`` runs the collectives of a trace in program order on every rank:
+  the same order of automatic names everywhere, and no two of them competing for TensorFlow's
+  inter-op threads), and static shapes are set where Horovod's ops give them.
+
+The gradient rules (:mod:`hora.core.gradients`) run the same way, inside ``host_call``, over the
+bridge's numpy :class:`~hora.core.gradients.TensorMath`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from hora.core import spellings as _sp
+
+# Horovod's TensorFlow kernels are registered for these dtypes; hora adds bfloat16.
+REDUCE_DTYPES = frozenset({tf.uint8, tf.int8, tf.int32, tf.int64, tf.float16, tf.bfloat16,
+                           tf.float32, tf.float64})
+"""Dtypes accepted by allreduce, grouped_allreduce, reducescatter and their gradients."""
+MOVE_DTYPES = REDUCE_DTYPES | {tf.uint16, tf.int16, tf.bool}
+"""Dtypes accepted by allgather, broadcast and alltoall."""
+_TABLES = {_sp.REDUCE: REDUCE_DTYPES, _sp.MOVE: MOVE_DTYPES}
+
+
+def check_dtype(tensor: Any, table: str) -> tf.Tensor:
+    """``tensor`` as a dense tensor of a dtype the op accepts.
+
+    Raises:
+        ValueError: ``'Tensor type <dtype> is not supported.'`` (the text of hora.torch).
+    """
+    if isinstance(tensor, tf.IndexedSlices):
+        raise ValueError("tf.IndexedSlices are not supported by this op: convert it with "
+                         "tf.convert_to_tensor (allreduce handles IndexedSlices itself).")
+    t = tf.convert_to_tensor(tensor)
+    if t.dtype not in _TABLES[table]:
+        allowed = ", ".join(sorted(d.name for d in _TABLES[table]))
+        raise ValueError(f"Tensor type {t.dtype.name} is not supported. Allowed here: "
+                         f"{allowed}.")
+    return t
+
+
+class _HostBridge:
+    """The core's side of this adapter: numpy arrays (already checked against TensorFlow's
+    tables by :func:`check_dtype`) pass straight through; the gradient rules' tensor math."""
+
+    passthrough = True
+
+    def host(self, tensor: Any, table: str) -> _sp.Host:
+        array = tensor if isinstance(tensor, np.ndarray) else np.asarray(tensor)
+        return _sp.Host(array, "cpu", tensor)
+
+    def hosts(self, tensors: Sequence[Any], table: str) -> tuple[list[_sp.Host], str]:
+        return [self.host(t, table) for t in tensors], "cpu"
+
+    def result(self, like: _sp.Host, out: Any) -> Any:
+        return out
+
+    def written(self, host: _sp.Host, out: Any) -> Any:
+        return out
+
+    def splits(self, splits: Any) -> list[int] | None:
+        return None if splits is None else [int(s) for s in np.asarray(splits).reshape(-1)]
+
+    def received_splits(self, splits: Any, received: np.ndarray) -> Any:
+        return received.astype(np.int32)
+
+    # the tensor math of the gradient rules (hora.core.gradients)
+    def rows(self, tensor: np.ndarray, start: int, count: int) -> np.ndarray:
+        return tensor[start:start + count]
+
+    def zeros_like(self, tensor: np.ndarray) -> np.ndarray:
+        return np.zeros_like(tensor)
+
+    def pad_rows(self, tensor: np.ndarray, rows: int) -> np.ndarray:
+        if tensor.shape[0] >= rows:
+            return tensor
+        pad = np.zeros((rows - tensor.shape[0],) + tensor.shape[1:], tensor.dtype)
+        return np.concatenate([tensor, pad])
+
+    def scaled(self, tensor: np.ndarray, factor: float) -> np.ndarray:
+        return (tensor * factor).astype(tensor.dtype, copy=False)
+
+
+HOST = _HostBridge()
+"""The bridge every collective of :mod:`hora.tensorflow` runs through (on host arrays)."""
+
+
+def _host_array(tensor: tf.Tensor) -> np.ndarray:
+    array: np.ndarray = tensor.numpy()
+    return array
+
+
+def host_call(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[tf.Tensor],
+              dtypes: Sequence[tf.DType], name: str = "hora") -> list[tf.Tensor]:
+    """Run ``fn(*arrays) -> arrays`` on the host values of ``inputs``; results as tensors of
+    ``dtypes``. Eager: a direct call. In a graph: one stateful ``tf.numpy_function`` op."""
+    if tf.executing_eagerly():
+        outs = fn(*[_host_array(t) for t in inputs])
+        return [tf.convert_to_tensor(np.asarray(o, dtype=d.as_numpy_dtype))
+                for o, d in zip(outs, dtypes)]
+
+    def graph_fn(*arrays: np.ndarray) -> list[np.ndarray]:
+        return [np.asarray(o, dtype=d.as_numpy_dtype) for o, d in zip(fn(*arrays), dtypes)]
+
+    result = tf.numpy_function(graph_fn, list(inputs), list(dtypes), stateful=True,
+                               name=name.replace(".", "_").replace("/", "_"))
+    return list(result) if isinstance(result, (list, tuple)) else [result]
+
+
+def op_name(name: str | None, ignore_name_scope: bool = False) -> str | None:
+    """The op's name in the core: ``name`` under the current ``tf.name_scope`` (Horovod's rule;
+    ``ignore_name_scope`` drops the scope), or None for an automatic, call-order name."""
+    if not name:
+        return None
+    scope = "" if ignore_name_scope else tf.get_current_name_scope()
+    return f"{scope}/{name}" if scope else name
+
+
+def rows_shape(tensor: tf.Tensor) -> tf.TensorShape:
+    """Static shape of a result whose first dimension is only known at run time."""
+    shape = tensor.shape
+    if shape.rank is None:
+        return tf.TensorShape(None)
+    return tf.TensorShape([None] + shape.as_list()[1:])
+
+
+__all__ = ["HOST", "MOVE_DTYPES", "REDUCE_DTYPES", "check_dtype", "host_call", "op_name",
+           "rows_shape"]

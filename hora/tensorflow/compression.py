@@ -1,0 +1,77 @@
+"""Gradient compression for TensorFlow tensors: Horovod's ``Compression.none`` /
+``Compression.fp16``.
+
+The policy is :mod:`hora.core.compression`; this module only supplies the TensorFlow dtype hook.
+A user-defined compressor is any class with static ``compress(tensor) -> (tensor, ctx)`` and
+``decompress(tensor, ctx) -> tensor``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from hora.core import compression as _core
+
+
+class _TensorFlowDtypes:
+    def dtype_name(self, tensor: Any) -> str:
+        return str(tf.as_dtype(tensor.dtype).name)
+
+    def cast(self, tensor: Any, name: str) -> Any:
+        return tf.cast(tensor, tf.as_dtype(name))
+
+
+_HOOK = _TensorFlowDtypes()
+
+
+class Compressor:
+    """Interface for compressing and decompressing a tensor."""
+
+    @staticmethod
+    def compress(tensor: Any) -> tuple[Any, Any]:
+        """Compress a tensor; returns it with the context needed to decompress it."""
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        """Decompress the tensor with the given context."""
+        raise NotImplementedError
+
+
+class NoneCompressor(Compressor):
+    """Default: no compression."""
+
+    @staticmethod
+    def compress(tensor: Any) -> tuple[Any, Any]:
+        return _core.none_compress(tensor, _HOOK)
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        return _core.none_decompress(tensor, ctx, _HOOK)
+
+
+class FP16Compressor(Compressor):
+    """Floating-point tensors travel as float16 and are cast back afterwards."""
+
+    @staticmethod
+    def compress(tensor: Any) -> tuple[Any, Any]:
+        return _core.fp16_compress(tensor, _HOOK)
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        return _core.fp16_decompress(tensor, ctx, _HOOK)
+
+
+class Compression:
+    """Optional gradient compression used by allreduce, the tape and the optimizers."""
+
+    none = NoneCompressor
+    """No compression (the default)."""
+
+    fp16 = FP16Compressor
+    """Compress all floating point gradients to 16-bit."""
+
+
+__all__ = ["Compression", "Compressor", "FP16Compressor", "NoneCompressor"]

@@ -1,0 +1,113 @@
+"""Averaging a step's gradients across ranks: one reducer for the tape and the Keras optimizers.
+
+:class:`GradientReducer` takes the gradients of one step (``None`` entries stay ``None``) and
+returns them reduced: dense gradients are compressed, then allreduced together in **one** host
+call (one ``tf.numpy_function`` op inside ``tf.function``: all submitted before any is waited
+for, so the engine fuses them), by groups when ``groups`` is set
+(:func:`hora.core.distopt.allreduce_groups`); ``tf.IndexedSlices`` are allgathered unless
+``sparse_as_dense``; gradients of local variables are only scaled by ``1/size`` (when
+``scale_local_gradients``). Names are ``<prefix>.<position>.<variable name>``, the same on every
+rank that builds the same model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from hora.collectives.ops import ReduceOp
+from hora.core import distopt
+from hora.core.process_set import ProcessSet
+from hora.tensorflow.bridge import check_dtype, host_call
+from hora.tensorflow.compression import Compressor
+from hora.tensorflow.mpi_ops import allreduce
+
+
+def variable_name(var: Any) -> str:
+    """A readable, rank-independent name for a variable (Keras 3 ``path`` or TF ``name``)."""
+    name = getattr(var, "path", None) or getattr(var, "name", None) or "var"
+    return str(name).replace(":", "_")
+
+
+class GradientReducer:
+    """The allreduce of a step's gradients (see the module docstring)."""
+
+    def __init__(self, prefix: str, compression: type[Compressor], sparse_as_dense: bool,
+                 op: int, gradient_predivide_factor: float, groups: Any,
+                 process_set: ProcessSet, scale_local_gradients: bool) -> None:
+        self.prefix = prefix
+        self.compression = compression
+        self.sparse_as_dense = sparse_as_dense
+        self.op = ReduceOp(op)
+        self.groups = groups
+        self.process_set = process_set
+        self.scale_local_gradients = scale_local_gradients
+        self.prescale, self.postscale = distopt.scale_factors(op, gradient_predivide_factor)
+        self.local_ids: set[int] = set()
+
+    def active(self) -> bool:
+        """False when reducing is the identity (a set of one, or this rank is outside it)."""
+        return bool(self.process_set.included()) and int(self.process_set.size() or 0) > 1
+
+    def register_local(self, var: Any) -> None:
+        """Leave ``var``'s gradient out of the reduction."""
+        self.local_ids.add(id(var))
+
+    def __call__(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
+        grads = list(grads)
+        if self.sparse_as_dense:
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                     for g in grads]
+        if not self.active():
+            return grads
+        out: list[Any] = list(grads)
+        dense: list[int] = []
+        size = float(self.process_set.size() or 1)
+        for i, (g, v) in enumerate(zip(grads, variables)):
+            if g is None:
+                continue
+            if id(v) in self.local_ids:
+                out[i] = g / size if self.scale_local_gradients else g
+            elif isinstance(g, tf.IndexedSlices):
+                out[i] = allreduce(g, op=self.op, name=self._name(i, v),
+                                   process_set=self.process_set, ignore_name_scope=True)
+            else:
+                dense.append(i)
+        if dense:
+            reduced = self._dense([grads[i] for i in dense], [variables[i] for i in dense],
+                                  dense)
+            for i, r in zip(dense, reduced):
+                out[i] = r
+        return out
+
+    def _name(self, position: int, var: Any) -> str:
+        return f"{self.prefix}.{position}.{variable_name(var)}"
+
+    def _dense(self, grads: list[Any], variables: list[Any],
+               positions: list[int]) -> list[tf.Tensor]:
+        pairs = [self.compression.compress(check_dtype(g, "reduce")) for g in grads]
+        names = [self._name(p, v) for p, v in zip(positions, variables)]
+        if isinstance(self.groups, list):
+            where = {id(v): k for k, group in enumerate(self.groups) for v in group}
+            groups = distopt.group_indices(len(grads), self.groups,
+                                           lambda i: where.get(id(variables[i])))
+        else:
+            groups = distopt.group_indices(len(grads), self.groups)
+        args = (self.op, self.prescale, self.postscale, self.process_set)
+
+        def run(*arrays: np.ndarray) -> list[np.ndarray]:
+            return distopt.allreduce_groups(arrays, names, groups, *args)
+
+        xs = [c for c, _ in pairs]
+        reduced = host_call(run, xs, [x.dtype for x in xs], f"{self.prefix}_Allreduce")
+        outs = []
+        for r, x, (_, ctx) in zip(reduced, xs, pairs):
+            r.set_shape(x.shape)
+            outs.append(self.compression.decompress(r, ctx))
+        return outs
+
+
+__all__ = ["GradientReducer", "variable_name"]
