@@ -7,7 +7,8 @@
   collectives via :meth:`comm`;
 * a **control** connection between rank 0 and every other rank, carrying framed messages.
 
-This module is the transport that uses the established connections.
+This module is the transport that uses the established connections: the data plane here, the
+control plane in :mod:`hora.transports.tcp_control`.
 
 Data plane: sockets are non-blocking with ``TCP_NODELAY``; :meth:`sendrecv` interleaves
 ``send`` of at most :data:`SEND_CHUNK` bytes with ``recv_into`` whatever has arrived, polling
@@ -17,18 +18,14 @@ Every wait has an *inactivity* deadline: no progress for ``timeout`` seconds rai
 :class:`~hora.errors.HoraTimeoutError` naming the peer; EOF or a reset raises
 :class:`~hora.errors.PeerLostError` naming the peer's rank and host.
 
-The data plane is for one thread at a time (the engine's). The control plane may be used from
-several threads: :meth:`send_control` locks per peer, :meth:`recv_control` is serialized, and
-:meth:`wake` is lock-free.
+The data plane is for one thread at a time (the engine's). The control plane (framed messages,
+safe from several threads) is :class:`hora.transports.tcp_control.ControlPlane`.
 """
 
 from __future__ import annotations
 
-import collections
 import select
 import socket
-import struct
-import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -36,7 +33,8 @@ from hora._util.log import get_logger
 from hora._util.typing_compat import override
 from hora.collectives.comm import Buffer, Comm
 from hora.errors import HoraInternalError, HoraTimeoutError, PeerLostError, TransportError
-from hora.transports.base import MAX_CONTROL_MESSAGE, Transport
+from hora.transports.base import Transport
+from hora.transports.tcp_control import ControlPlane, describe_peer
 from hora.transports.tcp_mesh import LOST_HINT as _LOST_HINT
 from hora.transports.tcp_mesh import TIMEOUT_HINT as _TIMEOUT_HINT
 from hora.transports.tcp_mesh import connect_mesh
@@ -50,7 +48,6 @@ SEND_CHUNK = 512 * 1024
 """Most bytes handed to one ``send`` call inside :meth:`TcpTransport.sendrecv`, so that sending
 yields to receiving often enough to keep both directions moving (measured: see docs)."""
 
-_LEN = struct.Struct("!I")
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
 
@@ -84,25 +81,10 @@ class TcpTransport(Transport):
         self._control = control
         self._timeout = timeout
         self._closed = False
-        for sock in (*data.values(), *control.values()):
+        for sock in data.values():
             sock.setblocking(False)
-        self._wake_r, self._wake_w = wake_pair or socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._send_locks = {peer: threading.Lock() for peer in control}
-        self._recv_lock = threading.Lock()
-        self._inbox: dict[int, bytearray] = {peer: bytearray() for peer in control}
-        self._pending: collections.deque[tuple[int, bytes]] = collections.deque()
-        self._lost: dict[int, str] = {}
-        self._lost_reported: set[int] = set()
-        self._woken = False
         self._pollers: dict[tuple[int, int], select.poll] = {}  # cached per (fd, events)
-        self._scratch = memoryview(bytearray(256 * 1024))  # control-plane receive buffer
-        self._fd_peer = {sock.fileno(): peer for peer, sock in control.items()}
-        self._poller = select.poll()
-        self._poller.register(self._wake_r, _POLLIN)
-        for sock in control.values():
-            self._poller.register(sock, _POLLIN)
+        self._ctl = ControlPlane(rank, control, wake_pair, self._hostnames)
 
     # ---- construction ------------------------------------------------------------------------
 
@@ -166,8 +148,7 @@ class TcpTransport(Transport):
 
     @override
     def describe(self, peer: int) -> str:
-        host = self._hostnames[peer] if 0 <= peer < len(self._hostnames) else "?"
-        return f"rank {peer} (host {host})"
+        return describe_peer(self._hostnames, peer)
 
     @override
     def comm(self) -> Comm:
@@ -322,139 +303,21 @@ class TcpTransport(Transport):
         if not poller.poll(self._timeout * 1000):
             raise self._timeout_error(waits)
 
-    # ---- control plane -----------------------------------------------------------------------
-
-    def _check_control_peer(self, peer: int) -> socket.socket:
-        if self._closed:
-            raise TransportError("the TCP transport is closed (hora was shut down)")
-        sock = self._control.get(peer)
-        if sock is None:
-            raise ValueError(f"control messages go between rank 0 and the others only; rank "
-                             f"{self._rank} has no control connection to {peer!r}")
-        return sock
+    # ---- control plane (hora.transports.tcp_control) -----------------------------------------
 
     @override
     def send_control(self, peer: int, payload: bytes) -> None:
-        """Send one framed control message to ``peer`` (rank 0 <-> others only).
-
-        Raises:
-            TransportError: the payload exceeds MAX_CONTROL_MESSAGE.
-            PeerLostError: the connection is closed.
-            HoraTimeoutError: the peer accepted no bytes for ``timeout`` seconds.
-        """
-        sock = self._check_control_peer(peer)
-        if len(payload) > MAX_CONTROL_MESSAGE:
-            raise TransportError(f"control message of {len(payload)} bytes exceeds the limit "
-                                 f"of {MAX_CONTROL_MESSAGE}")
-        header = _LEN.pack(len(payload))
-        parts = [header + payload] if len(payload) <= 65536 else [header, payload]
-        with self._send_locks[peer]:
-            for part in parts:
-                view = memoryview(part).cast("B")
-                sent = 0
-                while sent < len(view):
-                    try:
-                        sent += sock.send(view[sent:])
-                    except BlockingIOError:
-                        self._wait(sock, _POLLOUT, peer, "sending a control message", sent,
-                                   len(view))
-                    except OSError as exc:
-                        raise self._lost_error(peer, exc, "sending a control message") from exc
+        """See :meth:`hora.transports.tcp_control.ControlPlane.send`."""
+        self._ctl.send(peer, payload, self._wait, self._lost_error)
 
     @override
     def recv_control(self, timeout: float | None) -> tuple[int, bytes] | None:
-        """Next control message as ``(sender, payload)``; None on timeout, :meth:`wake` or close.
-
-        Messages already received are delivered before a pending wake; a wake is never lost
-        (several wakes before a call make one call return None).
-
-        Raises:
-            PeerLostError: a control connection closed (names the peer's rank and host); raised
-                after the messages it sent before closing have been delivered.
-            TransportError: a peer sent a frame longer than MAX_CONTROL_MESSAGE.
-        """
-        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-        with self._recv_lock:
-            while True:
-                if self._pending:
-                    return self._pending.popleft()
-                if self._woken or self._closed:
-                    self._woken = False
-                    return None
-                for peer, why in self._lost.items():
-                    if peer not in self._lost_reported:  # each lost peer is reported once
-                        self._lost_reported.add(peer)
-                        raise PeerLostError(f"{self.describe(peer)} {why} to rank "
-                                            f"{self._rank}: {_LOST_HINT}", peer=peer)
-                if deadline is None:
-                    wait_ms: float | None = None
-                else:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return None
-                    wait_ms = left * 1000
-                for fd, _ in self._poller.poll(wait_ms):
-                    if self._closed:
-                        return None
-                    if fd == self._wake_r.fileno():
-                        self._drain_wake()
-                    else:
-                        self._read_control(self._fd_peer[fd])
-
-    def _drain_wake(self) -> None:
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
-        self._woken = True
-
-    def _read_control(self, peer: int) -> None:
-        sock, inbox = self._control[peer], self._inbox[peer]
-        why = ""
-        scratch = self._scratch
-        try:
-            while True:
-                n = sock.recv_into(scratch)
-                if n == 0:
-                    why = "closed its control connection"
-                    break
-                inbox += scratch[:n]
-                if n < len(scratch):
-                    break
-        except BlockingIOError:
-            pass
-        except OSError as exc:
-            why = f"broke its control connection ({exc})"
-        offset = 0
-        while len(inbox) - offset >= _LEN.size:
-            (length,) = _LEN.unpack_from(inbox, offset)
-            if length > MAX_CONTROL_MESSAGE:
-                self._lost[peer] = f"sent an invalid control frame of {length} bytes"
-                self._poller.unregister(sock)
-                raise TransportError(
-                    f"{self.describe(peer)} sent a control frame of {length} bytes, over the "
-                    f"limit of {MAX_CONTROL_MESSAGE}: protocol error (a different hora version?)"
-                )
-            end = offset + _LEN.size + length
-            if len(inbox) < end:
-                break
-            self._pending.append((peer, bytes(inbox[offset + _LEN.size:end])))
-            offset = end
-        if offset:
-            del inbox[:offset]
-        if why:
-            if inbox:
-                why += f" in the middle of a message ({len(inbox)} bytes left over)"
-            self._lost[peer] = why
-            self._poller.unregister(sock)
+        """See :meth:`hora.transports.tcp_control.ControlPlane.recv`."""
+        return self._ctl.recv(timeout)
 
     @override
     def wake(self) -> None:
-        try:
-            self._wake_w.send(b"\x01")
-        except (BlockingIOError, OSError):
-            pass  # a full pipe already holds a wake-up; a closed one means we are closed
+        self._ctl.wake()
 
     # ---- shutdown ----------------------------------------------------------------------------
 
@@ -471,18 +334,10 @@ class TcpTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        self.wake()
-        socks = [*self._data.values(), *self._control.values()]
-        for sock in socks:  # wakes any thread of this process blocked on them
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        with self._recv_lock:  # a concurrent recv_control has returned None by now
-            for sock in socks:
-                sock.close()
-            self._wake_r.close()
-            self._wake_w.close()
+        self.shutdown_data()  # wakes any thread of this process blocked on a data connection
+        self._ctl.close()  # ... or in recv_control, before the control connections close
+        for sock in self._data.values():
+            sock.close()
 
     def __del__(self) -> None:  # pragma: no cover - best effort if close() was forgotten
         if not getattr(self, "_closed", True):
