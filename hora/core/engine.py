@@ -14,6 +14,10 @@ an idle job burns no CPU):
 
 Failure is loud: if a peer is lost or a collective fails, every pending and future op on this
 rank fails with the cause, and rank 0 tells every other rank to do the same.
+
+Beside it: :mod:`hora.core.liveness` (heartbeats, goodbyes, abort reasons),
+:mod:`hora.core.lanes` (the fast lanes' lifecycle), :mod:`hora.core.deadlock` (wait reports and
+the detector), :mod:`hora.core.executor` (running an agreed response).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from hora.core.executor import Executor
 from hora.core.fastlane import FastLane
 from hora.core.handle import Handle
 from hora.core.lanes import Lanes
+from hora.core.liveness import Liveness, RemoteAbort
 from hora.core.messages import (
     ERROR_SHUTDOWN,
     ERROR_STALL,
@@ -67,14 +72,6 @@ ABORT_GATHER_SECONDS = 0.5
 """On a local failure, how long to listen for other ranks' reasons before failing the ops."""
 
 
-class _RemoteAbort(HoraInternalError):
-    """Another rank told us the job is failing (its reason is the message)."""
-
-    def __init__(self, message: str, sender: int) -> None:
-        super().__init__(message)
-        self.sender = sender
-
-
 class Engine:
     """Owns the transport, the pending-op table and the background thread of one process."""
 
@@ -104,15 +101,11 @@ class Engine:
         self._coordinator = Coordinator(registry, config) if self.rank == 0 else None
         self._stop = threading.Event()
         self._error: HoraInternalError | None = None
-        self._departed: set[int] = set()
         self._executing = False  # True while a collective runs (left True if it failed)
         self._drained = False  # the thread has failed every op and reads no more submissions
-        # Heartbeats: control peers must be heard from within heartbeat_timeout_seconds.
-        self._hb_timeout = config.heartbeat_timeout_seconds
-        now = time.monotonic()
-        peers = range(1, self.size) if self.rank == 0 else ([0] if self.size > 1 else [])
-        self._last_heard: dict[int, float] = {p: now for p in peers}
-        self._last_beat = now
+        # Control peers must be heard from within heartbeat_timeout_seconds.
+        self._liveness = Liveness(transport, config.heartbeat_timeout_seconds)
+        self._departed = self._liveness.departed
         self._thread = threading.Thread(target=self._run, name="hora-engine", daemon=True)
 
     # ---- user side ---------------------------------------------------------------------------
@@ -240,7 +233,7 @@ class Engine:
                     self._executing = True  # a collective failed: gather the others' reasons
                     raise self._lane_error
                 self.timeline.mark_cycle()
-                self._heartbeat()
+                self._liveness.beat()
                 busy = self._take_submissions()
                 busy = self._send_waits() or busy
                 busy = self._receive(0.0) or busy
@@ -265,11 +258,11 @@ class Engine:
                         if coordinator.deadlocks.has_waits():
                             due = min(due, next_deadlock)
                         wait = max(0.0, due - time.monotonic())
-                    if self._hb_timeout > 0:
-                        beat = max(0.0, self._last_beat + self._hb_timeout / 4 - time.monotonic())
+                    beat = self._liveness.next_beat_in()
+                    if beat is not None:
                         wait = beat if wait is None else min(wait, beat)
                     self._receive(wait)
-            self._say_goodbye()
+            self._liveness.say_goodbye()
         except HoraError as exc:
             self._abort(exc)
         except Exception as exc:
@@ -279,24 +272,6 @@ class Engine:
             self._lanes.stop_all(self._error)
             self._executor.close()  # unmap and unlink this rank's shared memory
             self._fail_all(self._final_error())
-
-    def _heartbeat(self) -> None:
-        """Send our heartbeat when due; declare a control peer lost after a silent timeout."""
-        if self._hb_timeout <= 0 or not self._last_heard:
-            return
-        now = time.monotonic()
-        if now - self._last_beat >= self._hb_timeout / 4:
-            self._last_beat = now
-            beat = encode(MSG_HEARTBEAT)
-            for peer in self._last_heard:
-                self.transport.send_control(peer, beat)
-        for peer, heard in self._last_heard.items():
-            if now - heard > self._hb_timeout:
-                raise PeerLostError(
-                    f"{self.transport.describe(peer)} sent nothing for {now - heard:.0f} s, not "
-                    f"even a heartbeat (HORA_HEARTBEAT_TIMEOUT_SECONDS={self._hb_timeout:g}): it "
-                    "is hung, stopped (e.g. SIGSTOP, a debugger) or its host is unreachable",
-                    peer=peer)
 
     def _take_submissions(self) -> bool:
         requests: list[Request] = []
@@ -337,7 +312,7 @@ class Engine:
             timeout = 0.0
             handled = True
             sender, payload = msg
-            self._last_heard[sender] = time.monotonic()
+            self._liveness.heard(sender)
             kind, body = decode(payload)
             if kind == MSG_HEARTBEAT:
                 pass
@@ -357,8 +332,7 @@ class Engine:
                 if isinstance(lane_set, int):
                     self._lanes.close(lane_set)
             elif kind == MSG_BYE and self._coordinator is not None:
-                self._departed.add(sender)
-                self._last_heard.pop(sender, None)
+                self._liveness.depart(sender)
                 self._coordinator.depart(sender, "it called shutdown() or exited")
             elif kind == MSG_SHUTDOWN:
                 self._error = ShutdownError(
@@ -367,7 +341,7 @@ class Engine:
                 self._stop.set()
                 return True
             elif kind == MSG_ABORT:
-                raise _RemoteAbort(str(body.get("reason", "another rank failed")), sender)
+                raise RemoteAbort(str(body.get("reason", "another rank failed")), sender)
             if self._stop.is_set():
                 return True
 
@@ -396,9 +370,7 @@ class Engine:
             self._executing = False
         finally:
             # While a collective ran nobody's messages were read: don't count that as silence.
-            now = time.monotonic()
-            for peer in self._last_heard:
-                self._last_heard[peer] = now
+            self._liveness.heard_all()
 
     def _execute_all(self, responses: list[Response]) -> None:
         for resp in responses:
@@ -419,36 +391,17 @@ class Engine:
                 self._executor.execute(resp, self._pending.setdefault(resp.set_id, {}))
 
     # ---- shutdown and failure ------------------------------------------------------------------
-    def _say_goodbye(self) -> None:
-        try:
-            if self._coordinator is None:
-                self.transport.send_control(0, encode(MSG_BYE))
-            else:
-                for peer in range(1, self.size):
-                    if peer not in self._departed:
-                        self.transport.send_control(peer, encode(MSG_SHUTDOWN))
-        except HoraError:
-            pass  # peers already gone: nothing to tell
-
     def _abort(self, exc: HoraError) -> None:
         """Fail this rank loudly: unblock peers at once, tell the others, collect their causes."""
-        remote = isinstance(exc, _RemoteAbort)
+        remote = isinstance(exc, RemoteAbort)
         error = (HoraInternalError(str(exc)) if remote or not isinstance(exc, HoraInternalError)
                  else exc)
         self.transport.shutdown_data()  # peers blocked on our data get EOF now, not a timeout
-        reason = encode(MSG_ABORT, reason=str(exc) if remote else f"rank {self.rank} failed: {exc}")
-        peers = range(1, self.size) if self._coordinator is not None else [0]
-        for peer in peers:
-            if peer in self._departed or (remote and peer == getattr(exc, "sender", None)):
-                continue  # never echo a reason back to the rank that sent it
-            try:
-                self.transport.send_control(peer, reason)
-            except HoraError:
-                pass
+        self._liveness.send_abort(exc)
         if self._executing and not remote:
             # A data-plane error may only be an echo (a peer that failed first shut its data
             # down): add what the other ranks report, so the message names the root cause.
-            others = self._collect_abort_reasons(ABORT_GATHER_SECONDS)
+            others = self._liveness.gather_abort_reasons(ABORT_GATHER_SECONDS)
             if others:
                 error = type(error)(f"{error}; other ranks report: {' | '.join(others)}")
         if self._error is None:
@@ -456,26 +409,6 @@ class Engine:
         log.error("%s", self._error)
         self.timeline.fail_all(str(self._error))
         self._stop.set()
-
-    def _collect_abort_reasons(self, seconds: float) -> list[str]:
-        reasons: list[str] = []
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            try:
-                msg = self.transport.recv_control(max(0.0, end - time.monotonic()))
-            except HoraError:
-                continue
-            if msg is None:
-                continue
-            try:
-                kind, body = decode(msg[1])
-            except HoraError:
-                continue
-            if kind == MSG_ABORT:
-                reasons.append(str(body.get("reason", "")))
-                if self._coordinator is None:
-                    break  # rank 0 already merged what it knew
-        return reasons
 
     def _fail_all(self, error: HoraInternalError) -> None:
         self._drained = True  # before draining: see _enqueue

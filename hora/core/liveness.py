@@ -1,0 +1,131 @@
+"""The control plane's health: heartbeats, goodbyes and abort reasons between ranks.
+
+Part of the engine (:mod:`hora.core.engine`), which owns the control loop; this module holds
+what the ranks tell each other about being alive and about failing:
+
+* **heartbeats**: every rank beats to its control peers (rank 0 to every worker, a worker to
+  rank 0) each quarter of ``HORA_HEARTBEAT_TIMEOUT_SECONDS``; a peer heard from for that long
+  is lost (:class:`~hora.errors.PeerLostError`, naming it and the knob);
+* **goodbyes**: a worker that shuts down says ``BYE`` (its connection closing later is then a
+  clean exit); rank 0 shutting down tells every worker ``SHUTDOWN``;
+* **abort reasons**: a failing rank sends its reason to its control peers and, when its failure
+  may be an echo of another's, listens briefly for theirs so the error names the root cause.
+"""
+
+from __future__ import annotations
+
+import time
+
+from hora.core.messages import MSG_ABORT, MSG_BYE, MSG_HEARTBEAT, MSG_SHUTDOWN, decode, encode
+from hora.errors import HoraError, HoraInternalError, PeerLostError
+from hora.transports.base import Transport
+
+
+class RemoteAbort(HoraInternalError):
+    """Another rank told us the job is failing (its reason is the message)."""
+
+    def __init__(self, message: str, sender: int) -> None:
+        super().__init__(message)
+        self.sender = sender
+
+
+class Liveness:
+    """Heartbeats, goodbyes and abort messages of one rank (the engine thread's)."""
+
+    def __init__(self, transport: Transport, heartbeat_timeout: float) -> None:
+        self._transport = transport
+        self.rank, self.size = transport.rank, transport.size
+        self._timeout = heartbeat_timeout
+        now = time.monotonic()
+        peers = range(1, self.size) if self.rank == 0 else ([0] if self.size > 1 else [])
+        self._last_heard: dict[int, float] = {p: now for p in peers}
+        self._last_beat = now
+        self.departed: set[int] = set()
+        """Workers that said goodbye (rank 0)."""
+
+    def heard(self, peer: int) -> None:
+        """Any message from ``peer`` proves it alive."""
+        self._last_heard[peer] = time.monotonic()
+
+    def heard_all(self) -> None:
+        """After a long local operation: count every peer as just heard from (a collective's
+        own timeouts covered that time)."""
+        now = time.monotonic()
+        for peer in self._last_heard:
+            self._last_heard[peer] = now
+
+    def depart(self, peer: int) -> None:
+        """``peer`` said goodbye: expect nothing more from it."""
+        self.departed.add(peer)
+        self._last_heard.pop(peer, None)
+
+    def next_beat_in(self) -> float | None:
+        """Seconds until the next heartbeat is due (None: heartbeats are off)."""
+        if self._timeout <= 0:
+            return None
+        return max(0.0, self._last_beat + self._timeout / 4 - time.monotonic())
+
+    def beat(self) -> None:
+        """Send our heartbeat when due; declare a control peer lost after a silent timeout."""
+        if self._timeout <= 0 or not self._last_heard:
+            return
+        now = time.monotonic()
+        if now - self._last_beat >= self._timeout / 4:
+            self._last_beat = now
+            message = encode(MSG_HEARTBEAT)
+            for peer in self._last_heard:
+                self._transport.send_control(peer, message)
+        for peer, heard in self._last_heard.items():
+            if now - heard > self._timeout:
+                raise PeerLostError(
+                    f"{self._transport.describe(peer)} sent nothing for {now - heard:.0f} s, not "
+                    f"even a heartbeat (HORA_HEARTBEAT_TIMEOUT_SECONDS={self._timeout:g}): it "
+                    "is hung, stopped (e.g. SIGSTOP, a debugger) or its host is unreachable",
+                    peer=peer)
+
+    def say_goodbye(self) -> None:
+        """A worker tells rank 0 it leaves; rank 0 tells every worker still there to stop."""
+        try:
+            if self.rank != 0:
+                self._transport.send_control(0, encode(MSG_BYE))
+            else:
+                for peer in range(1, self.size):
+                    if peer not in self.departed:
+                        self._transport.send_control(peer, encode(MSG_SHUTDOWN))
+        except HoraError:
+            pass  # peers already gone: nothing to tell
+
+    def send_abort(self, exc: HoraError) -> None:
+        """Tell the control peers why this rank fails (a reason received from a peer is passed
+        on, never echoed back to its sender)."""
+        remote = isinstance(exc, RemoteAbort)
+        reason = encode(MSG_ABORT, reason=str(exc) if remote else f"rank {self.rank} failed: {exc}")
+        for peer in range(1, self.size) if self.rank == 0 else [0]:
+            if peer in self.departed or (remote and peer == getattr(exc, "sender", None)):
+                continue
+            try:
+                self._transport.send_control(peer, reason)
+            except HoraError:
+                pass
+
+    def gather_abort_reasons(self, seconds: float) -> list[str]:
+        """Listen up to ``seconds`` for other ranks' abort reasons (a worker stops at rank 0's,
+        which already merged what it knew)."""
+        reasons: list[str] = []
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                msg = self._transport.recv_control(max(0.0, end - time.monotonic()))
+            except HoraError:
+                continue
+            if msg is None:
+                continue
+            try:
+                kind, body = decode(msg[1])
+            except HoraError:
+                continue
+            if kind == MSG_ABORT:
+                reasons.append(str(body.get("reason", "")))
+                if self.rank != 0:
+                    break
+        return reasons
