@@ -9,23 +9,8 @@ while the job runs), and at least every ``flush_interval`` seconds. While events
 than it writes, the writer batches them without further wake-ups. The engine thread never
 formats, never touches the file and never waits for the disk.
 
-File format (Horovod's, opens in Perfetto / ``chrome://tracing``): a JSON array that is valid
-after every flush (the closing ``]`` is rewritten each time), so a job that crashes leaves at
-worst a file whose last flush is missing its end (``hora timeline`` reads those too).
-
-* ``pid 0`` carries ``process_name`` metadata whose args hold ``start_time_since_epoch_in_micros``;
-* every tensor name is a trace "process" with its own ``pid`` (1, 2, ... in order of first
-  use), introduced by ``process_name`` / ``process_sort_index`` metadata;
-* per op: ``B NEGOTIATE_<KIND>`` when the coordinator first sees the name, an ``X`` event with
-  ``dur 0`` named by the rank (within the process set) each time a rank reports ready, ``E``
-  when negotiation ends; then ``B <KIND>`` when execution starts, nested activity ``B``/``E``
-  pairs (one at a time: ``QUEUE``, ``MEMCPY_IN_FUSION_BUFFER``, ``RING_ALLREDUCE``, ...), and a
-  final ``E`` whose args are ``{"dtype": ..., "shape": "[d0, d1]"}``;
-* ``ts`` is integer microseconds since the timeline started; ``E`` events carry no name;
-* cycle markers: global instant events ``{"ph": "i", "name": "CYCLE_START", "s": "g"}``;
-* hora additions: an ``ERROR`` instant event (args ``error``) on an op that failed, a global
-  ``TIMELINE_STOPPED`` instant event when recording stops cleanly, and ``"tid": 0`` on every
-  event (some viewers want it).
+File format: Horovod's Chrome trace (opens in Perfetto / ``chrome://tracing``), valid after every
+flush; :mod:`hora.timeline.trace_file` describes it and holds the writer thread.
 
 Which rank writes: only the coordinator (rank 0), which sees every rank's readiness through
 negotiation (Horovod's behaviour). With ``all_ranks=True`` every other rank ``r`` also records
@@ -39,8 +24,6 @@ Hooks must be called from one thread (the engine's) so that their order is the o
 
 from __future__ import annotations
 
-import collections
-import json
 import os
 import threading
 import time
@@ -48,6 +31,20 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from hora._util.log import get_logger
+from hora.timeline.trace_file import (
+    REC_ACT_END,
+    REC_ACT_START,
+    REC_CYCLE,
+    REC_ERROR,
+    REC_FAIL_ALL,
+    REC_NEG_END,
+    REC_NEG_READY,
+    REC_NEG_START,
+    REC_OP_END,
+    REC_OP_START,
+    TraceFile,
+    kind_text,
+)
 
 log = get_logger(__name__)
 
@@ -62,11 +59,6 @@ INIT_FUSION_BUFFER = "INIT_FUSION_BUFFER"
 MEMCPY_IN_FUSION_BUFFER = "MEMCPY_IN_FUSION_BUFFER"
 MEMCPY_OUT_FUSION_BUFFER = "MEMCPY_OUT_FUSION_BUFFER"
 ALLOCATE_OUTPUT = "ALLOCATE_OUTPUT"
-CYCLE_START = "CYCLE_START"
-ERROR = "ERROR"
-TIMELINE_STOPPED = "TIMELINE_STOPPED"
-"""Global instant event written when recording stops cleanly (``stop_timeline``, shutdown): what
-is still open then was in flight, not cut off by a crash."""
 
 DEFAULT_FLUSH_INTERVAL = 0.25
 """Seconds between writer-thread flushes: the most a crash can lose of an otherwise good file."""
@@ -74,16 +66,6 @@ DEFAULT_FLUSH_INTERVAL = 0.25
 DEFAULT_MAX_PENDING = 1_000_000
 """Hook records allowed to wait for the writer; beyond it records are dropped (and counted), so a
 stalled disk can never grow the engine's memory without bound."""
-
-MAX_ERROR_CHARS = 2000
-"""Longest error text copied into an ``ERROR`` event."""
-
-# Hook record codes: (code, perf_counter_ns, name, a, b)
-_NEG_START, _NEG_READY, _NEG_END, _OP_START, _ACT_START, _ACT_END, _OP_END, _ERROR, _CYCLE, \
-    _FAIL_ALL = range(10)
-
-# Per-name state in the writer (Horovod's TimelineState).
-_UNKNOWN, _NEGOTIATING, _TOP_LEVEL, _ACTIVITY = range(4)
 
 
 def collective_activity(algorithm: str, kind: Any) -> str:
@@ -94,7 +76,7 @@ def collective_activity(algorithm: str, kind: Any) -> str:
             ``"shm"``, ...).
         kind: the op kind (a string or a string enum such as ``OpKind.ALLREDUCE``).
     """
-    return f"{algorithm.upper()}_{_kind_text(kind)}"
+    return f"{algorithm.upper()}_{kind_text(kind)}"
 
 
 def rank_path(path: str, rank: int) -> str:
@@ -111,11 +93,6 @@ def rank_path(path: str, rank: int) -> str:
 def is_dynamic(value: str) -> bool:
     """True for ``HOROVOD_TIMELINE=DYNAMIC`` (any letter case): enabled, no file yet."""
     return value.strip().upper() == DYNAMIC
-
-
-def _kind_text(kind: Any) -> str:
-    value = getattr(kind, "value", kind)
-    return str(value)
 
 
 class Timeline:
@@ -138,7 +115,7 @@ class Timeline:
         self.all_ranks = all_ranks
         self._flush_interval = flush_interval
         self._max_pending = max_pending
-        self._session: _Session | None = None
+        self._session: TraceFile | None = None
         self._path: str | None = None  # what start() was last given (all ranks, for no-ops)
         self._lock = threading.Lock()
 
@@ -201,8 +178,8 @@ class Timeline:
             if self.rank != 0 and not self.all_ranks:
                 return
             target = rank_path(path, self.rank)
-            self._session = _Session(self, target, mark_cycles, self._flush_interval,
-                                     self._max_pending)
+            self._session = TraceFile(target, mark_cycles, self._flush_interval,
+                                      self._max_pending, self._session_failed)
 
     def stop(self) -> None:
         """Stop recording and close the file (Horovod's ``stop_timeline``); idempotent."""
@@ -217,7 +194,7 @@ class Timeline:
         if session is not None:
             session.close()
 
-    def _session_failed(self, session: _Session) -> None:
+    def _session_failed(self, session: TraceFile) -> None:
         if self._session is session:
             self._session = None
 
@@ -229,7 +206,7 @@ class Timeline:
         """
         s = self._session
         if s is not None:
-            s.put((_NEG_START, time.perf_counter_ns(), name, op_kind, None))
+            s.put((REC_NEG_START, time.perf_counter_ns(), name, op_kind, None))
 
     def negotiate_rank_ready(self, name: str, rank: int, op_kind: Any = None) -> None:
         """``rank`` (within the op's process set) submitted ``name``: an ``X`` tick.
@@ -239,31 +216,31 @@ class Timeline:
         """
         s = self._session
         if s is not None:
-            s.put((_NEG_READY, time.perf_counter_ns(), name, rank, op_kind))
+            s.put((REC_NEG_READY, time.perf_counter_ns(), name, rank, op_kind))
 
     def negotiate_end(self, name: str) -> None:
         """Every rank is ready (or the op failed negotiation): ``E`` of the negotiation."""
         s = self._session
         if s is not None:
-            s.put((_NEG_END, time.perf_counter_ns(), name, None, None))
+            s.put((REC_NEG_END, time.perf_counter_ns(), name, None, None))
 
     def op_start(self, name: str, op_kind: Any) -> None:
         """Execution of ``name`` begins: ``B <KIND>`` (closes a negotiation left open)."""
         s = self._session
         if s is not None:
-            s.put((_OP_START, time.perf_counter_ns(), name, op_kind, None))
+            s.put((REC_OP_START, time.perf_counter_ns(), name, op_kind, None))
 
     def activity_start(self, name: str, activity: str) -> None:
         """A phase of the op's execution begins (ends the previous activity, if one is open)."""
         s = self._session
         if s is not None:
-            s.put((_ACT_START, time.perf_counter_ns(), name, activity, None))
+            s.put((REC_ACT_START, time.perf_counter_ns(), name, activity, None))
 
     def activity_end(self, name: str) -> None:
         """The current activity of ``name`` ends."""
         s = self._session
         if s is not None:
-            s.put((_ACT_END, time.perf_counter_ns(), name, None, None))
+            s.put((REC_ACT_END, time.perf_counter_ns(), name, None, None))
 
     def activity_start_all(self, names: Iterable[str], activity: str) -> None:
         """:meth:`activity_start` for every name of a fused response (one timestamp)."""
@@ -271,7 +248,7 @@ class Timeline:
         if s is not None:
             now = time.perf_counter_ns()
             for name in names:
-                s.put((_ACT_START, now, name, activity, None))
+                s.put((REC_ACT_START, now, name, activity, None))
 
     def activity_end_all(self, names: Iterable[str]) -> None:
         """:meth:`activity_end` for every name of a fused response (one timestamp)."""
@@ -279,231 +256,35 @@ class Timeline:
         if s is not None:
             now = time.perf_counter_ns()
             for name in names:
-                s.put((_ACT_END, now, name, None, None))
+                s.put((REC_ACT_END, now, name, None, None))
 
     def op_end(self, name: str, dtype: str = "", shape: Sequence[int] | None = None) -> None:
         """``name`` completed: closes its activity and the op (``E`` with dtype and shape)."""
         s = self._session
         if s is not None:
-            s.put((_OP_END, time.perf_counter_ns(), name, dtype, shape))
+            s.put((REC_OP_END, time.perf_counter_ns(), name, dtype, shape))
 
     def error(self, name: str, message: str) -> None:
         """``name`` failed: closes whatever is open for it and adds an ``ERROR`` instant event."""
         s = self._session
         if s is not None:
-            s.put((_ERROR, time.perf_counter_ns(), name, message, None))
+            s.put((REC_ERROR, time.perf_counter_ns(), name, message, None))
 
     def fail_all(self, message: str) -> None:
         """The engine is failing: :meth:`error` for every name that has an open event."""
         s = self._session
         if s is not None:
-            s.put((_FAIL_ALL, time.perf_counter_ns(), "", message, None))
+            s.put((REC_FAIL_ALL, time.perf_counter_ns(), "", message, None))
 
     def mark_cycle(self) -> None:
         """A new engine cycle begins (written only when cycle marking is on)."""
         s = self._session
         if s is not None and s.mark_cycles:
-            s.put((_CYCLE, time.perf_counter_ns(), "", None, None))
-
-
-class _Session:
-    """One open timeline file and the writer thread that feeds it."""
-
-    def __init__(self, owner: Timeline, path: str, mark_cycles: bool, flush_interval: float,
-                 max_pending: int) -> None:
-        self.owner = owner
-        self.path = path
-        self.mark_cycles = mark_cycles
-        self.dropped = 0
-        self._max_pending = max_pending
-        self._interval = flush_interval
-        self._queue: collections.deque[tuple[int, int, str, Any, Any]] = collections.deque()
-        self._wake = threading.Event()
-        self._closing = False
-        self._start_ns = time.perf_counter_ns()
-        epoch_us = time.time_ns() // 1000
-        self._pids: dict[str, int] = {}
-        self._states: dict[str, int] = {}
-        try:
-            self._file = open(path, "wb")  # noqa: SIM115 - closed by the writer thread
-        except OSError as exc:
-            raise OSError(exc.errno, f"cannot write the timeline to {path!r}: "
-                          f"{exc.strerror or exc}. HINT: check that the directory exists and is "
-                          "writable (HOROVOD_TIMELINE / hora run --timeline-filename)") from None
-        header = (
-            '[\n{"name":"process_name","ph":"M","pid":0,"tid":0,'
-            f'"args":{{"name":"hora","start_time_since_epoch_in_micros":{epoch_us}}}}},\n'
-            '{"name":"process_sort_index","ph":"M","pid":0,"tid":0,"args":{"sort_index":0}}'
-        ).encode()
-        self._file.write(header)
-        self._tail_at = self._file.tell()
-        self._file.write(b"\n]\n")
-        self._file.flush()
-        self._thread = threading.Thread(target=self._run, name="hora-timeline", daemon=True)
-        self._thread.start()
-
-    # engine thread
-    def put(self, record: tuple[int, int, str, Any, Any]) -> None:
-        queue = self._queue
-        if len(queue) >= self._max_pending:
-            self.dropped += 1
-            return
-        idle = not queue
-        queue.append(record)
-        if idle:  # the writer writes it now: events reach the file within milliseconds (a
-            self._wake.set()  # busy queue batches by itself while the writer works)
-
-    # any thread
-    def close(self) -> None:
-        self._closing = True
-        self._wake.set()
-        self._thread.join(timeout=30.0)
-        if self._thread.is_alive():
-            log.error("timeline writer for %s did not finish within 30 s", self.path)
-        if self.dropped:
-            log.warning("timeline %s: %d events were dropped because the writer fell behind",
-                        self.path, self.dropped)
-
-    # writer thread
-    def _run(self) -> None:
-        try:
-            while True:
-                self._wake.wait(self._interval)
-                self._wake.clear()
-                closing = self._closing
-                lines = self._drain()
-                if closing:
-                    ts = self._ts(time.perf_counter_ns())
-                    lines.append(f'{{"ph":"i","name":"{TIMELINE_STOPPED}","ts":{ts},"pid":0,'
-                                 '"tid":0,"s":"g"}')
-                self._write(lines)
-                if closing:
-                    break
-        except OSError as exc:
-            log.error("error writing the timeline %s (%s); timeline recording stops.",
-                      self.path, exc)
-            self.owner._session_failed(self)
-        except Exception:  # noqa: BLE001 - a writer bug must not go unnoticed, nor kill training
-            log.exception("timeline writer for %s failed; timeline recording stops.", self.path)
-            self.owner._session_failed(self)
-        finally:
-            try:
-                self._file.close()
-            except OSError:
-                pass
-
-    def _drain(self) -> list[str]:
-        out: list[str] = []
-        queue = self._queue
-        for _ in range(len(queue)):
-            try:
-                record = queue.popleft()
-            except IndexError:
-                break
-            self._format(record, out)
-        return out
-
-    def _write(self, lines: list[str]) -> None:
-        if not lines:
-            return
-        data = (",\n" + ",\n".join(lines)).encode()
-        self._file.seek(self._tail_at)
-        self._file.write(data)
-        self._tail_at = self._file.tell()
-        self._file.write(b"\n]\n")
-        self._file.flush()
-
-    # ---- record -> JSON lines (writer thread) ----------------------------------------------
-    def _ts(self, ns: int) -> int:
-        return (ns - self._start_ns) // 1000
-
-    def _pid(self, name: str, out: list[str]) -> int:
-        pid = self._pids.get(name)
-        if pid is None:
-            pid = self._pids[name] = len(self._pids) + 1
-            out.append(f'{{"name":"process_name","ph":"M","pid":{pid},"tid":0,'
-                       f'"args":{{"name":{json.dumps(name)}}}}}')
-            out.append(f'{{"name":"process_sort_index","ph":"M","pid":{pid},"tid":0,'
-                       f'"args":{{"sort_index":{pid}}}}}')
-        return pid
-
-    def _begin(self, out: list[str], pid: int, label: str, ts: int) -> None:
-        out.append(f'{{"ph":"B","name":{json.dumps(label)},"ts":{ts},"pid":{pid},"tid":0}}')
-
-    def _end(self, out: list[str], pid: int, ts: int, args: str = "") -> None:
-        extra = f',"args":{args}' if args else ""
-        out.append(f'{{"ph":"E","ts":{ts},"pid":{pid},"tid":0{extra}}}')
-
-    def _close_open(self, out: list[str], name: str, pid: int, ts: int, args: str = "") -> None:
-        """Emit the ``E`` events that close everything open for ``name``."""
-        state = self._states.pop(name, _UNKNOWN)
-        if state == _ACTIVITY:
-            self._end(out, pid, ts)
-            state = _TOP_LEVEL
-        if state in (_TOP_LEVEL, _NEGOTIATING):
-            self._end(out, pid, ts, args)
-
-    def _format(self, record: tuple[int, int, str, Any, Any], out: list[str]) -> None:
-        code, ns, name, a, b = record
-        ts = self._ts(ns)
-        if code == _CYCLE:
-            out.append(f'{{"ph":"i","name":"{CYCLE_START}","ts":{ts},"pid":0,"tid":0,"s":"g"}}')
-            return
-        if code == _FAIL_ALL:
-            for open_name in list(self._states):
-                self._format((_ERROR, ns, open_name, a, None), out)
-            return
-        state = self._states.get(name, _UNKNOWN)
-        if code == _NEG_READY:
-            if state != _NEGOTIATING:
-                self._format((_NEG_START, ns, name, b, None), out)
-            pid = self._pid(name, out)
-            out.append(f'{{"ph":"X","name":"{int(a)}","ts":{ts},"pid":{pid},"tid":0,"dur":0}}')
-            return
-        pid = self._pid(name, out)
-        if code == _NEG_START:
-            if state == _NEGOTIATING:
-                return
-            self._close_open(out, name, pid, ts)
-            kind = "" if a is None else _kind_text(a)
-            self._begin(out, pid, f"NEGOTIATE_{kind}" if kind else "NEGOTIATE", ts)
-            self._states[name] = _NEGOTIATING
-        elif code == _NEG_END:
-            if state == _NEGOTIATING:
-                self._end(out, pid, ts)
-                del self._states[name]
-        elif code == _OP_START:
-            self._close_open(out, name, pid, ts)
-            self._begin(out, pid, _kind_text(a), ts)
-            self._states[name] = _TOP_LEVEL
-        elif code == _ACT_START:
-            if state == _ACTIVITY:
-                self._end(out, pid, ts)
-            elif state != _TOP_LEVEL:
-                return  # no op open (e.g. recording started mid-op): nothing to nest it in
-            self._begin(out, pid, str(a), ts)
-            self._states[name] = _ACTIVITY
-        elif code == _ACT_END:
-            if state == _ACTIVITY:
-                self._end(out, pid, ts)
-                self._states[name] = _TOP_LEVEL
-        elif code == _OP_END:
-            if state in (_TOP_LEVEL, _ACTIVITY):
-                args = json.dumps({"dtype": str(a or ""),
-                                   "shape": "[" + ", ".join(str(int(d)) for d in b or ()) + "]"},
-                                  separators=(",", ":"))
-                self._close_open(out, name, pid, ts, args)
-        elif code == _ERROR:
-            text = str(a)[:MAX_ERROR_CHARS]
-            self._close_open(out, name, pid, ts)
-            args = json.dumps({"error": text}, separators=(",", ":"))
-            out.append(f'{{"ph":"i","name":"{ERROR}","ts":{ts},"pid":{pid},"tid":0,"s":"p",'
-                       f'"args":{args}}}')
+            s.put((REC_CYCLE, time.perf_counter_ns(), "", None, None))
 
 
 __all__ = [
-    "ALLOCATE_OUTPUT", "CYCLE_START", "DYNAMIC", "ERROR", "INIT_FUSION_BUFFER",
-    "MEMCPY_IN_FUSION_BUFFER", "MEMCPY_OUT_FUSION_BUFFER", "QUEUE", "TIMELINE_STOPPED",
-    "WAIT_FOR_DATA",
-    "WAIT_FOR_OTHER_TENSOR_DATA", "Timeline", "collective_activity", "is_dynamic", "rank_path",
+    "ALLOCATE_OUTPUT", "DYNAMIC", "INIT_FUSION_BUFFER", "MEMCPY_IN_FUSION_BUFFER",
+    "MEMCPY_OUT_FUSION_BUFFER", "QUEUE", "WAIT_FOR_DATA", "WAIT_FOR_OTHER_TENSOR_DATA", "Timeline",
+    "collective_activity", "is_dynamic", "rank_path",
 ]

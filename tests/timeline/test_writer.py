@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from hora.config import Config
-from hora.timeline import writer as writer_mod
+from hora.timeline import trace_file
 from hora.timeline.writer import (
     MEMCPY_IN_FUSION_BUFFER,
     MEMCPY_OUT_FUSION_BUFFER,
@@ -305,13 +305,13 @@ def test_names_are_escaped(tmp_path: Path) -> None:
 def test_hooks_never_wait_for_the_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A writer stuck on a slow disk must not slow the engine thread down."""
     gate = threading.Event()
-    real_write = writer_mod._Session._write
+    real_write = trace_file.TraceFile._write
 
     def slow_write(self: Any, lines: list[str]) -> None:
         gate.wait(10)
         real_write(self, lines)
 
-    monkeypatch.setattr(writer_mod._Session, "_write", slow_write)
+    monkeypatch.setattr(trace_file.TraceFile, "_write", slow_write)
     path = tmp_path / "t.json"
     tl = Timeline(0, enabled=True, flush_interval=0.001)
     tl.start(str(path))
@@ -328,13 +328,13 @@ def test_hooks_never_wait_for_the_disk(tmp_path: Path, monkeypatch: pytest.Monke
 def test_backlog_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                             caplog: pytest.LogCaptureFixture) -> None:
     gate = threading.Event()
-    real_write = writer_mod._Session._write
+    real_write = trace_file.TraceFile._write
 
     def stuck_write(self: Any, lines: list[str]) -> None:
         gate.wait(10)
         real_write(self, lines)
 
-    monkeypatch.setattr(writer_mod._Session, "_write", stuck_write)
+    monkeypatch.setattr(trace_file.TraceFile, "_write", stuck_write)
     path = tmp_path / "t.json"
     tl = Timeline(0, enabled=True, flush_interval=0.001, max_pending=100)
     tl.start(str(path))
@@ -363,7 +363,7 @@ def test_write_error_stops_recording_and_logs(tmp_path: Path, monkeypatch: pytes
         if lines:
             raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(writer_mod._Session, "_write", failing_write)
+    monkeypatch.setattr(trace_file.TraceFile, "_write", failing_write)
     tl = Timeline(0, enabled=True, flush_interval=0.005)
     with caplog.at_level(logging.ERROR, logger="hora.timeline"):
         tl.start(str(tmp_path / "t.json"))
