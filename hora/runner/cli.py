@@ -441,7 +441,7 @@ def run_main(argv: Sequence[str]) -> int:
 
 def timeline_main(argv: Sequence[str]) -> int:
     """``hora timeline FILE ...``: summarize a timeline (see :mod:`hora.timeline.summary`)."""
-    from hora.timeline.summary import main as summary_main
+    from hora.timeline.summary_report import main as summary_main
 
     return summary_main(argv)
 

@@ -1,7 +1,8 @@
-"""``hora timeline FILE``: where a timeline's time went, and which rank kept the others waiting.
+"""Where a timeline's time went, and which rank kept the others waiting (``hora timeline``).
 
-Reads a Chrome-trace timeline written by :mod:`hora.timeline.writer` (or by Horovod's
-``HOROVOD_TIMELINE``) as a stream, in bounded memory (per-tensor aggregates only), and reports:
+Reads a Chrome-trace timeline (:func:`hora.timeline.trace_reader.iter_events`, written by
+:mod:`hora.timeline.writer` or by Horovod's ``HOROVOD_TIMELINE``) as a stream, in bounded memory
+(per-tensor aggregates only), into a :class:`Summary`:
 
 * total, mean and max time per phase (``NEGOTIATE_ALLREDUCE``, ``ALLREDUCE``, ``QUEUE``,
   ``MEMCPY_IN_FUSION_BUFFER``, ``RING_ALLREDUCE``, ...);
@@ -12,104 +13,18 @@ Reads a Chrome-trace timeline written by :mod:`hora.timeline.writer` (or by Horo
   hung job): for a negotiation, which ranks had reported ready and which had not.
 
 A file cut off mid-write (the job crashed) is read up to the last complete event and flagged.
+:mod:`hora.timeline.summary_report` prints a :class:`Summary` and is the command itself.
 
 Layering: runner-facing tool; imports only the base layer (never :mod:`hora.core`).
 """
 
 from __future__ import annotations
 
-import argparse
 import heapq
-import json
-import sys
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from hora.errors import TimelineFormatError
-
-_CHUNK = 1 << 20
-_DECODER = json.JSONDecoder()
-_WS = " \t\r\n"
-
-
-@dataclass
-class ParseState:
-    """How reading the file went."""
-
-    events: int = 0
-    truncated: bool = False
-    stopped_at: int = -1  # character offset where reading stopped early (truncated files)
-    reason: str = ""
-
-
-def iter_events(fh: IO[str], state: ParseState | None = None) -> Iterator[dict[str, Any]]:
-    """Yield the event objects of a timeline file one by one, reading it in chunks.
-
-    Stops quietly at the first incomplete or corrupt event (a file truncated by a crash) and
-    records that in ``state``. Non-object array elements are skipped.
-
-    Raises:
-        TimelineFormatError: the file does not start like a trace (``[`` or ``{``).
-    """
-    state = state if state is not None else ParseState()
-    buf = fh.read(_CHUNK)
-    base = 0  # file offset of buf[0]
-    pos = 0
-    eof = not buf
-    while True:  # skip leading whitespace (reading more if the first chunk was all blank)
-        while pos < len(buf) and buf[pos] in _WS:
-            pos += 1
-        if pos < len(buf) or eof:
-            break
-        more = fh.read(_CHUNK)
-        eof = not more
-        buf, base, pos = more, base + len(buf), 0
-    if pos >= len(buf):
-        raise TimelineFormatError("the file is empty")
-    if buf[pos] == "{":  # {"traceEvents": [...]}: the object form; small files only
-        try:
-            whole = json.loads(buf[pos:] + fh.read())
-        except ValueError as exc:
-            raise TimelineFormatError(f"not valid JSON: {exc}") from None
-        events = whole.get("traceEvents") if isinstance(whole, dict) else None
-        if not isinstance(events, list):
-            raise TimelineFormatError("a JSON object without a 'traceEvents' list")
-        for ev in events:
-            if isinstance(ev, dict):
-                state.events += 1
-                yield ev
-        return
-    if buf[pos] != "[":
-        raise TimelineFormatError(f"expected a JSON array of trace events, found {buf[pos]!r} "
-                                  "at the start")
-    pos += 1
-    while True:
-        while pos < len(buf) and (buf[pos] in _WS or buf[pos] == ","):
-            pos += 1
-        if pos < len(buf) and buf[pos] == "]":
-            return
-        if pos >= len(buf) and eof:
-            state.truncated, state.stopped_at = True, base + pos
-            state.reason = "the file ends before the closing ']'"
-            return
-        try:
-            if pos >= len(buf):
-                raise ValueError("need more data")
-            ev, end = _DECODER.raw_decode(buf, pos)
-        except ValueError as exc:
-            if eof:
-                state.truncated, state.stopped_at = True, base + pos
-                state.reason = f"incomplete or corrupt event ({exc})"
-                return
-            more = fh.read(_CHUNK)
-            eof = not more
-            buf, base, pos = buf[pos:] + more, base + pos, 0
-            continue
-        pos = end
-        if isinstance(ev, dict):
-            state.events += 1
-            yield ev
+from hora.timeline.trace_reader import ParseState, iter_events
 
 
 @dataclass
@@ -332,169 +247,5 @@ def summarize_path(path: str, **kw: Any) -> Summary:
         return summarize(fh, path, **kw)
 
 
-# ---- report -------------------------------------------------------------------------------------
-
-def _ms(us: float) -> str:
-    return f"{us / 1000:.3f}"
-
-
-def _rank_key(label: str) -> tuple[int, str]:
-    return (int(label), "") if label.isdigit() else (1 << 30, label)
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> list[str]:
-    widths = [len(h) for h in header]
-    for row in rows:
-        widths = [max(w, len(c)) for w, c in zip(widths, row)]
-    out = []
-    for row in [list(header)] + [list(r) for r in rows]:
-        cells = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in
-                 enumerate(zip(row, widths))]
-        out.append("  " + "  ".join(cells).rstrip())
-    return out
-
-
-def format_summary(s: Summary, top: int = 10) -> str:
-    """The human-readable report of one :class:`Summary`."""
-    lines = [f"timeline {s.path}: {s.parse.events} events, {len(s.tensors)} tensors, "
-             f"span {_ms(s.span_us)} ms" + (f", {s.cycles} cycles" if s.cycles else "")]
-    if s.parse.truncated:
-        lines.append(f"  WARNING: the file is truncated ({s.parse.reason}, at character "
-                     f"{s.parse.stopped_at}); a crashed job? Everything before that is used.")
-    if s.unmatched_ends:
-        lines.append(f"  note: {s.unmatched_ends} end events without a begin (recording "
-                     "started mid-op?) were ignored")
-
-    lines += ["", "time per phase (ms):"]
-    if s.phases:
-        span = s.span_us or 1.0
-        rows = [[name, str(p.count), _ms(p.total), _ms(p.total / p.count), _ms(p.max),
-                 f"{100 * p.total / span:.1f}%"]
-                for name, p in sorted(s.phases.items(), key=lambda kv: -kv[1].total)]
-        lines += _table(["phase", "count", "total", "mean", "max", "of span"], rows)
-        lines.append("  (phases of different tensors overlap, so shares can add up to more "
-                     "than 100%)")
-    else:
-        lines.append("  (no completed phases)")
-
-    lines += ["", f"top {top} tensors by time (ms):"]
-    ranked = sorted(s.tensors.items(), key=lambda kv: -kv[1].total)[:top]
-    if ranked:
-        rows = [[name, str(t.ops), _ms(t.negotiate), _ms(t.execute), _ms(t.total),
-                 t.dtype, t.shape] for name, t in ranked]
-        lines += _table(["tensor", "ops", "negotiate", "execute", "total", "dtype", "shape"],
-                        rows)
-    else:
-        lines.append("  (no tensors)")
-
-    lines += ["", "stragglers (the last rank to submit each op; the first rank waited for it):"]
-    if s.negotiations:
-        rows = [[f"rank {rank}", str(n), f"{100 * n / s.negotiations:.1f}%",
-                 _ms(s.wait_caused.get(rank, 0.0))]
-                for rank, n in sorted(s.last_counts.items(), key=lambda kv: _rank_key(kv[0]))]
-        lines += _table(["last to arrive", "times", "share", "others waited (ms)"], rows)
-        lines += ["", "  per tensor (most frequent straggler):"]
-        per = sorted(((name, t) for name, t in s.tensors.items() if t.last_counts),
-                     key=lambda kv: -kv[1].waited)[:top]
-        rows = []
-        for name, t in per:
-            rank, n = max(t.last_counts.items(), key=lambda kv: kv[1])
-            total = sum(t.last_counts.values())
-            rows.append([name, f"rank {rank}", f"{n}/{total}", _ms(t.waited),
-                         _ms(t.waited / total)])
-        lines += _table(["tensor", "straggler", "times last", "waited (ms)", "mean wait"], rows)
-        lines += ["", f"  longest {len(s.worst)} waits:"]
-        rows = [[w.tensor, f"rank {w.rank}", _ms(w.wait_us), _ms(w.ts)] for w in s.worst]
-        lines += _table(["tensor", "last rank", "waited (ms)", "at (ms)"], rows)
-    else:
-        lines.append("  (no negotiation with two or more ranks in this trace)")
-
-    if s.error_count:
-        lines += ["", f"errors: {s.error_count}"]
-        for ts, tensor, text in s.errors:
-            lines.append(f"  at {_ms(ts)} ms, {tensor}: {text}")
-        if s.error_count > len(s.errors):
-            lines.append(f"  ... and {s.error_count - len(s.errors)} more")
-
-    if s.in_flight:
-        when = ("when recording stopped (stop_timeline or shutdown: ops in flight then)"
-                if s.stopped_cleanly and not s.parse.truncated else
-                "when the trace ends (the job crashed, hung or was killed?)")
-        lines += ["", f"still open {when} ({len(s.in_flight)}):"]
-        known = sorted(s.ranks_seen, key=_rank_key)
-        for f in s.in_flight[:max(top, 20)]:
-            text = f"  {f.tensor}: {f.phase} since {_ms(f.since)} ms"
-            if f.phase.startswith("NEGOTIATE"):
-                missing = [r for r in known if r not in f.ready]
-                text += (f"; ready: {', '.join(f.ready) or 'none'}"
-                         f"; not ready: {', '.join(missing) or 'none seen'}")
-            lines.append(text)
-        if len(s.in_flight) > max(top, 20):
-            lines.append(f"  ... and {len(s.in_flight) - max(top, 20)} more")
-    return "\n".join(lines) + "\n"
-
-
-def summary_dict(s: Summary, top: int = 10) -> dict[str, Any]:
-    """A JSON-friendly form of a :class:`Summary` (``hora timeline --json``); times in ms."""
-    return {
-        "path": s.path, "events": s.parse.events, "truncated": s.parse.truncated,
-        "span_ms": s.span_us / 1000, "cycles": s.cycles,
-        "start_time_since_epoch_in_micros": s.start_epoch_us,
-        "phases": {k: {"count": p.count, "total_ms": p.total / 1000, "max_ms": p.max / 1000}
-                   for k, p in s.phases.items()},
-        "tensors": [{"name": n, "ops": t.ops, "negotiate_ms": t.negotiate / 1000,
-                     "execute_ms": t.execute / 1000, "dtype": t.dtype, "shape": t.shape,
-                     "last_counts": t.last_counts, "waited_ms": t.waited / 1000}
-                    for n, t in sorted(s.tensors.items(), key=lambda kv: -kv[1].total)[:top]],
-        "last_counts": s.last_counts,
-        "wait_caused_ms": {k: v / 1000 for k, v in s.wait_caused.items()},
-        "worst": [{"tensor": w.tensor, "rank": w.rank, "wait_ms": w.wait_us / 1000,
-                   "at_ms": w.ts / 1000} for w in s.worst],
-        "errors": s.error_count, "stopped_cleanly": s.stopped_cleanly,
-        "error_samples": [{"at_ms": ts / 1000, "tensor": t, "error": e}
-                          for ts, t, e in s.errors],
-        "in_flight": [{"tensor": f.tensor, "phase": f.phase, "since_ms": f.since / 1000,
-                       "ready": list(f.ready)} for f in s.in_flight],
-    }
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``hora timeline FILE [FILE ...] [--top N] [--json]``. Returns the exit status."""
-    parser = argparse.ArgumentParser(
-        prog="hora timeline",
-        description="Summarize a timeline written with HOROVOD_TIMELINE / HORA_TIMELINE (or "
-                    "hora run --timeline-filename): time per phase, the slowest tensors, and the "
-                    "ranks that kept the others waiting in negotiation (stragglers). Files cut "
-                    "off by a crash are read up to the last complete event.")
-    parser.add_argument("files", nargs="+", metavar="FILE", help="timeline JSON file(s)")
-    parser.add_argument("--top", type=int, default=10, metavar="N",
-                        help="rows per table [default: 10]")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    status = 0
-    results: list[dict[str, Any]] = []
-    for i, path in enumerate(ns.files):
-        try:
-            summary = summarize_path(path, worst=max(ns.top, 0))
-        except OSError as exc:
-            sys.stderr.write(f"hora timeline: cannot read {path}: {exc.strerror or exc}\n")
-            status = 1
-            continue
-        except TimelineFormatError as exc:
-            sys.stderr.write(f"hora timeline: {path} is not a timeline: {exc}\n")
-            status = 1
-            continue
-        if ns.json:
-            results.append(summary_dict(summary, ns.top))
-        else:
-            if i:
-                sys.stdout.write("\n")
-            sys.stdout.write(format_summary(summary, ns.top))
-    if ns.json:
-        sys.stdout.write(json.dumps(results if len(ns.files) > 1 else
-                                    (results[0] if results else None), indent=2) + "\n")
-    return status
-
-
-__all__ = ["ParseState", "Summary", "TimelineFormatError", "format_summary", "iter_events",
-           "main", "summarize", "summarize_path", "summary_dict"]
+__all__ = ["InFlight", "PhaseStats", "Straggle", "Summary", "TensorStats", "summarize",
+           "summarize_path"]

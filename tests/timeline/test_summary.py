@@ -11,15 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hora.errors import TimelineFormatError
 from hora.runner import cli
-from hora.timeline.summary import (
-    ParseState,
-    TimelineFormatError,
-    format_summary,
-    iter_events,
-    summarize,
-    summarize_path,
-)
+from hora.timeline.summary import summarize, summarize_path
+from hora.timeline.summary_report import format_summary
+from hora.timeline.trace_reader import ParseState, iter_events
 from hora.timeline.writer import QUEUE, Timeline
 
 
@@ -191,9 +187,9 @@ def test_odd_events_are_skipped() -> None:
 
 
 def test_streams_across_chunk_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hora.timeline import summary as summary_mod
+    from hora.timeline import trace_reader
 
-    monkeypatch.setattr(summary_mod, "_CHUNK", 7)
+    monkeypatch.setattr(trace_reader, "_CHUNK", 7)
     events = list(iter_events(io.StringIO("  \n\n  " + json.dumps(_trace()))))
     assert events == _trace()
 
@@ -201,12 +197,12 @@ def test_streams_across_chunk_boundaries(monkeypatch: pytest.MonkeyPatch) -> Non
 @settings(max_examples=150, deadline=2000)
 @given(st.integers(min_value=0, max_value=10_000), st.integers(min_value=1, max_value=64))
 def test_any_cut_of_a_file_is_summarized(cut: int, chunk: int) -> None:
-    from hora.timeline import summary as summary_mod
+    from hora.timeline import trace_reader
 
     text = "[\n" + ",\n".join(json.dumps(e) for e in _trace()) + "\n]\n"
     part = text[: cut % (len(text) + 1)]
-    old = summary_mod._CHUNK
-    summary_mod._CHUNK = chunk
+    old = trace_reader._CHUNK
+    trace_reader._CHUNK = chunk
     try:
         state = ParseState()
         try:
@@ -216,7 +212,7 @@ def test_any_cut_of_a_file_is_summarized(cut: int, chunk: int) -> None:
             return
         s = summarize(io.StringIO(part))
     finally:
-        summary_mod._CHUNK = old
+        trace_reader._CHUNK = old
     assert n == state.events == s.parse.events <= len(_trace())
     assert state.truncated == (len(part) < len(text.rstrip()))
     format_summary(s)
