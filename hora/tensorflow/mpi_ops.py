@@ -241,9 +241,9 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
 
 def broadcast_(variables: Any, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> Any:
-    """In place: assign ``root_rank``'s values to ``variables`` (a ``tf.Variable`` or a list of
-    them), as one group of broadcasts. Returns ``variables``."""
-    single = isinstance(variables, tf.Variable)
+    """In place: assign ``root_rank``'s values to ``variables`` (a variable, ``tf.Variable`` or
+    Keras, or a list of them), as one group of broadcasts. Returns ``variables``."""
+    single = not isinstance(variables, (list, tuple))
     var_list = [variables] if single else list(variables)
     if not var_list:
         return variables

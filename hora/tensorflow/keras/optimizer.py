@@ -1,0 +1,151 @@
+"""Keras 3 ``DistributedOptimizer``: gradients averaged across ranks before every update.
+
+As in Horovod, :func:`DistributedOptimizer` builds a class at runtime that inherits from the
+wrapped optimizer's class **under the same name and module** (so a saved model reloads without
+hora) and instantiates it from the wrapped optimizer's config (fresh slots). Keras 3 runs every
+update through ``BaseOptimizer._backend_apply_gradients``, which clips the gradients
+(``_clip_gradients``) exactly once per update, right before the update step: the runtime class
+reduces the gradients there, with a :class:`~hora.tensorflow.gradients.GradientReducer` (one
+fused host call; in ``model.fit`` one ``tf.numpy_function`` op in the train step).
+
+``backward_passes_per_step=N`` uses Keras 3's own gradient accumulation
+(``gradient_accumulation_steps``): ranks accumulate locally and allreduce only on every N-th
+step. Keras averages the accumulated gradients; with ``average_aggregated_gradients=False``
+(Horovod's default) the reduced sum is restored by a factor N.
+
+These are Keras 3 internals (``_backend_apply_gradients``, ``_clip_gradients``): hora checks
+that they exist when it wraps an optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from hora.collectives.ops import ReduceOp
+from hora.core import distopt
+from hora.core.process_set import ProcessSet, global_process_set
+from hora.tensorflow.compression import Compression, Compressor
+from hora.tensorflow.gradients import GradientReducer
+
+_HOOKS = ("_backend_apply_gradients", "_clip_gradients")
+
+
+class _DistributedOptimizer(keras.optimizers.Optimizer):
+    """Methods mixed into the runtime subclass of the wrapped optimizer's class."""
+
+    _hora_base: Any = keras.optimizers.Optimizer
+    _hora_reducer: GradientReducer
+    _hora_sum_factor: float = 1.0
+    _hora_variables: list[Any]
+
+    def _backend_apply_gradients(self, grads: Any, trainable_variables: Any) -> Any:
+        self._hora_variables = list(trainable_variables)
+        return self._hora_base._backend_apply_gradients(self, grads, trainable_variables)
+
+    def _clip_gradients(self, grads: Any) -> Any:
+        reduced = self._hora_reducer(list(grads), self._hora_variables)
+        if self._hora_sum_factor != 1.0:
+            reduced = [g if g is None else g * self._hora_sum_factor for g in reduced]
+        return self._hora_base._clip_gradients(self, reduced)
+
+    def register_local_var(self, var: Any) -> None:
+        """Leave ``var``'s gradient out of the allreduce (divided by the set size instead, when
+        ``scale_local_gradients``)."""
+        self._hora_reducer.register_local(var)
+
+
+def _build(optimizer: Any, reducer: GradientReducer, backward_passes_per_step: int,
+           average_aggregated_gradients: bool) -> Any:
+    base = optimizer.__class__
+    missing = [h for h in _HOOKS if not hasattr(base, h)]
+    if missing:
+        raise TypeError(f"DistributedOptimizer needs a Keras 3 optimizer; {base.__name__} has "
+                        f"no {', '.join(missing)} (keras {keras.__version__}).")
+    namespace = {k: v for k, v in _DistributedOptimizer.__dict__.items()
+                 if k not in ("__dict__", "__weakref__")}
+    namespace.update(_hora_base=base, __module__=base.__module__,
+                     __qualname__=base.__qualname__)
+    cls: Any = type(base.__name__, (base,), namespace)
+    config = optimizer.get_config()
+    if backward_passes_per_step > 1:
+        config["gradient_accumulation_steps"] = backward_passes_per_step
+    opt = cls.from_config(config)
+    opt._hora_reducer = reducer
+    opt._hora_variables = []
+    if backward_passes_per_step > 1 and not average_aggregated_gradients:
+        opt._hora_sum_factor = float(backward_passes_per_step)
+    return opt
+
+
+def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802 - Horovod's
+                         device_dense: str = "", device_sparse: str = "",
+                         compression: type[Compressor] = Compression.none,
+                         sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
+                         op: int = ReduceOp.Average, backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0,
+                         groups: Any = None, process_set: ProcessSet = global_process_set,
+                         scale_local_gradients: bool = True) -> Any:
+    """Wrap a Keras optimizer so that gradients are averaged (``op``) across ``process_set``
+    before each update.
+
+    Args:
+        optimizer: any Keras 3 optimizer; the result is a fresh instance of its class (same
+            name) built from its config.
+        name: prefix of the allreduce names (default ``Distributed<class name>``).
+        compression: ``Compression.none`` or ``Compression.fp16`` (or your own compressor).
+        sparse_as_dense: allreduce ``tf.IndexedSlices`` gradients as dense tensors.
+        gradient_predivide_factor: Average is done as ``1/f`` before and ``f/size`` after.
+        op: ``Average`` (default) or ``Sum``.
+        backward_passes_per_step: steps accumulated locally before each allreduce and update.
+        average_aggregated_gradients: average (True) or sum (False, Horovod's default) the
+            locally accumulated gradients.
+        num_groups: deprecated, use ``groups``.
+        groups: an int k (k grouped allreduces) or a list of lists of variables.
+        scale_local_gradients: divide gradients of ``register_local_var`` variables by the
+            set size.
+
+    Raises:
+        ValueError: an op other than Average/Sum, or invalid options (see
+            :mod:`hora.core.distopt`).
+    """
+    if ReduceOp(op) not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ValueError(f"DistributedOptimizer supports op=Average or op=Sum, not "
+                         f"{ReduceOp(op).name}.")
+    groups = distopt.check_options(op, gradient_predivide_factor, backward_passes_per_step,
+                                   num_groups, groups)
+    if isinstance(groups, list):
+        distopt.check_explicit_groups(groups, lambda v: hasattr(v, "shape"), "Keras variables")
+    prefix = name or f"Distributed{type(optimizer).__name__}"
+    reducer = GradientReducer(prefix, compression, sparse_as_dense, op,
+                              gradient_predivide_factor, groups, process_set,
+                              scale_local_gradients)
+    return _build(optimizer, reducer, backward_passes_per_step, average_aggregated_gradients)
+
+
+def PartialDistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
+                                device_dense: str = "", device_sparse: str = "",
+                                compression: type[Compressor] = Compression.none,
+                                sparse_as_dense: bool = False,
+                                gradient_predivide_factor: float = 1.0,
+                                op: int = ReduceOp.Average, backward_passes_per_step: int = 1,
+                                average_aggregated_gradients: bool = False, groups: Any = None,
+                                process_set: ProcessSet = global_process_set,
+                                local_layers: Any = None,
+                                scale_local_gradients: bool = True) -> Any:
+    """:func:`DistributedOptimizer` whose gradients for the trainable weights of
+    ``local_layers`` (a Keras layer or a list of them) stay local."""
+    opt = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression,
+                               sparse_as_dense, gradient_predivide_factor, op,
+                               backward_passes_per_step, average_aggregated_gradients, 0,
+                               groups, process_set, scale_local_gradients)
+    layers = [] if local_layers is None else (
+        local_layers if isinstance(local_layers, (list, tuple)) else [local_layers])
+    for layer in layers:
+        for var in layer.trainable_weights:
+            opt.register_local_var(var)
+    return opt
+
+
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
