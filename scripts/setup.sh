@@ -18,5 +18,10 @@ if ! .venv/bin/python -c "import tensorflow" 2>/dev/null; then
   echo "[setup] installing tensorflow-cpu==2.21.0 (hora.tensorflow / hora.keras)"
   $PIP install "tensorflow-cpu==2.21.0"
 fi
+if ! .venv/bin/python -c "import jax, optax, flax" 2>/dev/null; then
+  # after torch: jax's CPU wheel (jaxlib) keeps numpy as it is (hora.jax)
+  echo "[setup] installing jax==0.10.2, optax==0.2.8, flax==0.12.8 (CPU; hora.jax)"
+  $PIP install "jax==0.10.2" "optax==0.2.8" "flax==0.12.8"
+fi
 echo "[setup] installing hora (editable) with test extras"
 $PIP install -e ".[test]"
