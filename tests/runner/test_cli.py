@@ -11,9 +11,10 @@ import pytest
 
 from hora.config import KNOBS
 from hora.errors import ConfigError
-from hora.runner.cli import build_run_parser, main, spec_from_args
+from hora.runner.cli import main, spec_from_args
 from hora.runner.config_file import config_values
 from hora.runner.launch import HostSlots, LaunchSpec, is_local_host, parse_hostfile, parse_hosts
+from hora.runner.run_flags import build_run_parser
 
 from .helpers import PY, run_hora, worker
 
