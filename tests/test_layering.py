@@ -21,6 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "hora.runner": BASE | {"hora.runner", "hora.rendezvous", "hora.timeline"},
     "hora.torch": BASE | {"hora.torch", "hora.core", "hora.collectives.ops", "hora"},
     "hora.tensorflow": BASE | {"hora.tensorflow", "hora.core", "hora.collectives.ops", "hora"},
+    "hora.jax": BASE | {"hora.jax", "hora.core", "hora.collectives.ops", "hora"},
     "hora.keras": BASE | {"hora.keras", "hora.tensorflow", "hora"},
     # hora.run (Horovod's horovod.run) imports the launcher's Python API lazily, on first call.
     "hora": BASE | {"hora.core", "hora.collectives.ops", "hora.runner.api"},

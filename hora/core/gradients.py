@@ -13,7 +13,9 @@ saved; each runs collectives through the adapter's :class:`~hora.core.spellings.
   allgathered.
 
 The few tensor operations the rules need (take rows, zeros, pad rows, scale) are the bridge's
-:class:`TensorMath`.
+:class:`TensorMath`. ``name`` (optional) names the gradient's collectives; an adapter whose
+backward passes may run in a different order on different ranks (JAX's host callbacks) passes a
+name fixed when the program was traced, so ops pair by name rather than by call order.
 """
 
 from __future__ import annotations
@@ -50,43 +52,47 @@ class GradientBridge(sp.Bridge, TensorMath, Protocol):
     """A bridge that can also do the gradient rules' tensor math."""
 
 
-def _row_offsets(process_set: ProcessSet, dims: Sequence[int]) -> list[int]:
+def _row_offsets(process_set: ProcessSet, dims: Sequence[int], name: str | None = None
+                 ) -> list[int]:
     """Where this rank's rows start in each gathered tensor (first dimensions ``dims`` here)."""
     gathered = api.allgather_async(np.asarray([list(dims)], np.int64),
+                                   name=f"{name}.offsets" if name else None,
                                    process_set=process_set).wait()
     rank = int(process_set.rank() or 0)
     return [int(v) for v in gathered[:rank].sum(axis=0)]
 
 
 def allreduce(bridge: GradientBridge, grad: Any, op: ReduceOp, prescale: float,
-              postscale: float, process_set: ProcessSet) -> Any:
-    return sp.run(bridge, sp.ALLREDUCE, grad, None, None, op, prescale, postscale, process_set)
+              postscale: float, process_set: ProcessSet, name: str | None = None) -> Any:
+    return sp.run(bridge, sp.ALLREDUCE, grad, None, name, op, prescale, postscale, process_set)
 
 
 def grouped_allreduce(bridge: GradientBridge, grads: Sequence[Any], op: ReduceOp,
-                      prescale: float, postscale: float, process_set: ProcessSet) -> list[Any]:
-    out: list[Any] = sp.run(bridge, sp.GROUPED_ALLREDUCE, list(grads), None, None, op, prescale,
+                      prescale: float, postscale: float, process_set: ProcessSet,
+                      name: str | None = None) -> list[Any]:
+    out: list[Any] = sp.run(bridge, sp.GROUPED_ALLREDUCE, list(grads), None, name, op, prescale,
                             postscale, process_set)
     return out
 
 
-def allgather(bridge: GradientBridge, grad: Any, dim0: int, process_set: ProcessSet) -> Any:
-    reduced = sp.run(bridge, sp.ALLREDUCE, grad, None, None, ReduceOp.Average, 1.0, 1.0,
+def allgather(bridge: GradientBridge, grad: Any, dim0: int, process_set: ProcessSet,
+              name: str | None = None) -> Any:
+    reduced = sp.run(bridge, sp.ALLREDUCE, grad, None, name, ReduceOp.Average, 1.0, 1.0,
                      process_set)
-    return bridge.rows(reduced, _row_offsets(process_set, [dim0])[0], dim0)
+    return bridge.rows(reduced, _row_offsets(process_set, [dim0], name)[0], dim0)
 
 
 def grouped_allgather(bridge: GradientBridge, grads: Sequence[Any], dims: Sequence[int],
-                      process_set: ProcessSet) -> list[Any]:
-    reduced = sp.run(bridge, sp.GROUPED_ALLREDUCE, list(grads), None, None, ReduceOp.Average,
+                      process_set: ProcessSet, name: str | None = None) -> list[Any]:
+    reduced = sp.run(bridge, sp.GROUPED_ALLREDUCE, list(grads), None, name, ReduceOp.Average,
                      1.0, 1.0, process_set)
-    offsets = _row_offsets(process_set, dims)
+    offsets = _row_offsets(process_set, dims, name)
     return [bridge.rows(r, o, d) for r, o, d in zip(reduced, offsets, dims)]
 
 
 def broadcast(bridge: GradientBridge, grad: Any, root_rank: int,
-              process_set: ProcessSet) -> Any:
-    reduced = sp.run(bridge, sp.ALLREDUCE, grad, None, None, ReduceOp.Average, 1.0, 1.0,
+              process_set: ProcessSet, name: str | None = None) -> Any:
+    reduced = sp.run(bridge, sp.ALLREDUCE, grad, None, name, ReduceOp.Average, 1.0, 1.0,
                      process_set)
     if _context.get("broadcast gradient").rank != root_rank:
         return bridge.zeros_like(reduced)
@@ -94,8 +100,8 @@ def broadcast(bridge: GradientBridge, grad: Any, root_rank: int,
 
 
 def alltoall(bridge: GradientBridge, grad: Any, received_splits: Any, rows: int,
-             process_set: ProcessSet) -> Any:
-    back, _ = sp.run(bridge, sp.ALLTOALL, grad, received_splits, None, process_set)
+             process_set: ProcessSet, name: str | None = None) -> Any:
+    back, _ = sp.run(bridge, sp.ALLTOALL, grad, received_splits, name, process_set)
     return bridge.pad_rows(back, rows)
 
 
@@ -107,13 +113,13 @@ def reducescatter_scale(op: ReduceOp, prescale: float, postscale: float,
 
 
 def reducescatter(bridge: GradientBridge, grad: Any, scale: float,
-                  process_set: ProcessSet) -> Any:
+                  process_set: ProcessSet, name: str | None = None) -> Any:
     g = bridge.scaled(grad, scale) if scale != 1.0 else grad
-    return sp.run(bridge, sp.ALLGATHER, g, None, process_set)
+    return sp.run(bridge, sp.ALLGATHER, g, name, process_set)
 
 
 def grouped_reducescatter(bridge: GradientBridge, grads: Sequence[Any], scale: float,
-                          process_set: ProcessSet) -> list[Any]:
+                          process_set: ProcessSet, name: str | None = None) -> list[Any]:
     scaled = [bridge.scaled(g, scale) if scale != 1.0 else g for g in grads]
-    out: list[Any] = sp.run(bridge, sp.GROUPED_ALLGATHER, scaled, None, process_set)
+    out: list[Any] = sp.run(bridge, sp.GROUPED_ALLGATHER, scaled, name, process_set)
     return out

@@ -1,0 +1,342 @@
+"""Horovod's collectives on ``jax.Array``\\ s and pytrees, eager and inside ``jax.jit``, with
+their gradients.
+
+Each op runs the core's one definition of the collective (:mod:`hora.core.spellings`) on host
+arrays through :func:`hora.jax.bridge.apply` (a direct call eagerly, a ``pure_callback``
+wrapped in ``custom_vjp`` when traced). A pytree is one grouped op (one fused collective); a
+bare array is Horovod's single-tensor op with Horovod's name. Gradients are Horovod's rules
+(:mod:`hora.core.gradients`):
+
+========================  ===================================================================
+forward                   gradient of ``dy``
+========================  ===================================================================
+allreduce(op, pre, post)  allreduce(dy) with the same op, factors and set
+allgather                 Average-allreduce(dy), then this rank's rows
+broadcast(root)           Average-allreduce(dy); zeros on every rank but the root
+alltoall                  alltoall(dy) back along the received splits
+reducescatter(op)         dy * set size (Sum only) * pre * post, then allgather
+========================  ===================================================================
+
+Contract (Horovod's): every member of the process set calls the op with the same ``name``
+(unnamed ops pair by call order, or inside ``jit`` by trace order), the same pytree structure,
+dtypes and shape rules. Argument errors raise ``ValueError`` at call (trace) time; ranks that
+disagree get ``HorovodInternalError`` (a pytree's differing leaf path is named), inside ``jit``
+as the runtime error that carries its text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from hora.collectives.ops import ReduceOp
+from hora.core import api as _api
+from hora.core import context as _context
+from hora.core import gradients as _grads
+from hora.core import spellings as _sp
+from hora.core.handle import Handle
+from hora.core.process_set import ProcessSet, global_process_set
+from hora.jax.bridge import HOST, apply, check_leaf, is_traced
+from hora.jax.compression import Compression, Compressor
+from hora.jax.tree import Flat, diagnose, flatten
+
+Spec = jax.ShapeDtypeStruct
+
+
+def _set(process_set: ProcessSet) -> tuple[int, int]:
+    """(this rank in the set, set size), checked."""
+    size = process_set.size()
+    if size is None:
+        raise ValueError(f"{process_set} is not registered: pass it to hvd.init(process_sets=...)"
+                         " or hvd.add_process_set first.")
+    return int(process_set.rank() or 0), int(size)
+
+
+def _specs(flat: Flat, table: str, kind: str) -> list[Spec]:
+    paths = flat.paths() if not flat.single else ["<array>"]
+    return [check_leaf(x, table, f"{kind} leaf {p}") for x, p in zip(flat.leaves, paths)]
+
+
+def op_name(kind: str, name: str | None, flat: Flat, grouped: bool,
+            process_set: ProcessSet) -> str | None:
+    """The op's name: Horovod's for one eager array (None: the core names it at submission);
+    a pytree's carries its structure tag; traced ops are named now, at trace time."""
+    if not grouped and not is_traced(flat.leaves):
+        return name
+    base = _context.get(kind).engine.names.base(kind, name, process_set.process_set_id or 0)
+    return f"{base}.{flat.tag()}" if grouped and not flat.single else base
+
+
+def _grad_name(name: str | None, traced: bool) -> str | None:
+    return f"{name}.grad" if traced and name else None
+
+
+def _guard(kind: str, flat: Flat, specs: list[Spec], grouped: bool,
+           process_set: ProcessSet, fn: Any) -> Any:
+    """``fn`` whose cross-rank failure names the differing leaf of a pytree."""
+    if not grouped:
+        return fn
+    shapes = Flat(list(specs), flat.treedef)
+    return lambda arrays: diagnose(kind, shapes, process_set, lambda: fn(arrays))
+
+
+# ---- allreduce -----------------------------------------------------------------------------
+def _allreduce(kind: str, flat: Flat, leaves: list[Any], name: str | None, op: ReduceOp,
+               pre: float, post: float, process_set: ProcessSet, grouped: bool) -> list[Any]:
+    specs = _specs(Flat(leaves, flat.treedef), _sp.REDUCE, kind)
+    full = op_name("grouped_allreduce" if grouped else "allreduce", name, flat, grouped,
+                   process_set)
+    gname = _grad_name(full, is_traced(leaves))
+    args = (op, pre, post, process_set)
+
+    def forward(a: list[np.ndarray]) -> list[np.ndarray]:
+        if grouped:
+            out: list[np.ndarray] = _sp.run(HOST, _sp.GROUPED_ALLREDUCE, a, None, full, *args)
+            return out
+        return [_sp.run(HOST, _sp.ALLREDUCE, a[0], None, full, *args)]
+
+    def backward(g: list[np.ndarray]) -> list[np.ndarray]:
+        if grouped:
+            return _grads.grouped_allreduce(HOST, g, *args, name=gname)
+        return [_grads.allreduce(HOST, g[0], *args, name=gname)]
+
+    return apply(kind, leaves, _guard(kind, flat, specs, grouped, process_set, forward), specs,
+                 backward)
+
+
+def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
+              compression: type[Compressor] = Compression.none, op: int | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> Any:
+    """Reduce ``tensor`` (an array or a pytree of arrays: one fused group) across the set:
+    ``postscale * op(prescale * x_i)`` (default Average; integer Average truncates). Returns
+    the same structure. Differentiable; callable inside ``jax.jit``. A dict of scalars is the
+    way to average metrics: ``hvd.allreduce({"loss": l, "acc": a})``."""
+    resolved = _api.resolve_op(op, average)
+    flat = flatten(tensor)
+    pairs = [compression.compress(x) for x in flat.leaves]
+    outs = _allreduce("allreduce", flat, [c for c, _ in pairs], name, resolved,
+                      prescale_factor, postscale_factor, process_set, not flat.single)
+    return flat.unflatten([compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)])
+
+
+def grouped_allreduce(tensors: Any, average: bool | None = None, name: str | None = None,
+                      compression: type[Compressor] = Compression.none, op: int | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> Any:
+    """Allreduce a list of arrays (or any pytree) as one group; returns the same structure."""
+    resolved = _api.resolve_op(op, average)
+    flat = flatten(tensors)
+    if not flat.leaves:
+        return tensors
+    pairs = [compression.compress(x) for x in flat.leaves]
+    outs = _allreduce("grouped_allreduce", flat, [c for c, _ in pairs], name, resolved,
+                      prescale_factor, postscale_factor, process_set, True)
+    return flat.unflatten([compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)])
+
+
+# ---- allgather -----------------------------------------------------------------------------
+def _rows(specs: list[Spec], kind: str) -> list[int]:
+    for s in specs:
+        if not s.shape:
+            raise ValueError(f"hora.jax.{kind}: 0-d arrays cannot be gathered along dimension "
+                             "0; reshape to (1,) first.")
+    return [int(s.shape[0]) for s in specs]
+
+
+def _allgather(kind: str, tensor: Any, name: str | None, process_set: ProcessSet,
+               grouped: bool) -> Any:
+    flat = flatten(tensor)
+    if not flat.leaves:
+        return tensor
+    grouped = grouped or not flat.single
+    specs = _specs(flat, _sp.MOVE, kind)
+    dims = _rows(specs, kind)
+    _, size = _set(process_set)
+    out_specs = [Spec((d * size,) + tuple(s.shape[1:]), s.dtype) for d, s in zip(dims, specs)]
+    full = op_name("grouped_allgather" if grouped else "allgather", name, flat, grouped,
+                   process_set)
+    gname = _grad_name(full, is_traced(flat.leaves))
+
+    def forward(a: list[np.ndarray]) -> list[np.ndarray]:
+        if grouped:
+            out: list[np.ndarray] = _sp.run(HOST, _sp.GROUPED_ALLGATHER, a, full, process_set)
+            return out
+        return [_sp.run(HOST, _sp.ALLGATHER, a[0], full, process_set)]
+
+    def backward(g: list[np.ndarray]) -> list[np.ndarray]:
+        if grouped:
+            return _grads.grouped_allgather(HOST, g, dims, process_set, name=gname)
+        return [_grads.allgather(HOST, g[0], dims[0], process_set, name=gname)]
+
+    outs = apply(kind, flat.leaves, _guard(kind, flat, specs, grouped, process_set, forward),
+                 out_specs, backward)
+    return flat.unflatten(outs)
+
+
+def allgather(tensor: Any, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> Any:
+    """Concatenate every member's array along dimension 0 (set rank order). Eagerly the first
+    dimensions may differ; inside ``jit`` they must be equal (static shapes). A pytree is
+    gathered leaf by leaf in one group. Differentiable."""
+    return _allgather("allgather", tensor, name, process_set, False)
+
+
+def grouped_allgather(tensors: Any, name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> Any:
+    """Allgather each array of a list (or pytree) as one group."""
+    return _allgather("grouped_allgather", tensors, name, process_set, True)
+
+
+# ---- broadcast -----------------------------------------------------------------------------
+def _wait_all(handles: list[tuple[Handle, Any]]) -> list[Any]:
+    """Wait for every handle, then raise the first error (none is left in flight)."""
+    out, first_error = [], None
+    for handle, convert in handles:
+        try:
+            out.append(convert(handle.wait()))
+        except BaseException as exc:  # noqa: BLE001 - finish every op, then raise the first
+            first_error = first_error or exc
+    if first_error is not None:
+        raise first_error
+    return out
+
+
+def broadcast_host(arrays: list[np.ndarray], root_rank: int, name: str | None,
+                   process_set: ProcessSet) -> list[np.ndarray]:
+    """Broadcast host arrays (op names ``<name>.<i>``), all submitted before any is waited."""
+    if len(arrays) == 1 and name is None:
+        return [_sp.run(HOST, _sp.BROADCAST, arrays[0], root_rank, None, process_set)]
+    return _wait_all([_sp.BROADCAST.submit(HOST, False, False, a, root_rank,
+                                           f"{name}.{i}" if name else None, process_set)
+                      for i, a in enumerate(arrays)])
+
+
+def broadcast(tensor: Any, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> Any:
+    """Return ``root_rank``'s array (or pytree: every leaf) on every member. Shapes, dtypes
+    and the root must agree on all ranks. Differentiable."""
+    flat = flatten(tensor)
+    if not flat.leaves:
+        return tensor
+    specs = _specs(flat, _sp.MOVE, "broadcast")
+    grouped = not flat.single
+    full = op_name("broadcast", name, flat, grouped, process_set)
+    gname = _grad_name(full, is_traced(flat.leaves))
+
+    def forward(a: list[np.ndarray]) -> list[np.ndarray]:
+        if not grouped:
+            return [_sp.run(HOST, _sp.BROADCAST, a[0], root_rank, full, process_set)]
+        return broadcast_host(a, root_rank, full, process_set)
+
+    def backward(g: list[np.ndarray]) -> list[np.ndarray]:
+        return [_grads.broadcast(HOST, x, root_rank, process_set,
+                                 name=f"{gname}.{i}" if gname else None)
+                for i, x in enumerate(g)]
+
+    outs = apply("broadcast", flat.leaves,
+                 _guard("broadcast", flat, specs, grouped, process_set, forward), specs,
+                 backward)
+    return flat.unflatten(outs)
+
+
+# ---- alltoall / reducescatter ----------------------------------------------------------------
+def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Send ``splits[j]`` rows (dimension 0) to member ``j``, receive theirs. Returns the
+    received array when ``splits`` is None (even split), else ``(received,
+    received_splits)``. Inside ``jit``: ``splits=None`` only, the same first dimension on
+    every rank (static shapes). Differentiable in the received array."""
+    flat = flatten(tensor)
+    if not flat.single:
+        raise ValueError("hora.jax.alltoall takes one array, not a pytree.")
+    spec = _specs(flat, _sp.MOVE, "alltoall")[0]
+    rows = _rows([spec], "alltoall")[0]
+    _, size = _set(process_set)
+    traced = is_traced(flat.leaves)
+    if traced and splits is not None:
+        raise ValueError("hora.jax.alltoall inside jax.jit needs splits=None (the received "
+                         "shape must be known when tracing); call it outside jit for uneven "
+                         "splits.")
+    full = op_name("alltoall", name, flat, False, process_set)
+    gname = _grad_name(full, traced)
+    received: list[Any] = [None]
+
+    def forward(a: list[np.ndarray]) -> list[np.ndarray]:
+        out, received[0] = _sp.run(HOST, _sp.ALLTOALL, a[0], splits, full, process_set)
+        return [out]
+
+    def backward(g: list[np.ndarray]) -> list[np.ndarray]:
+        back = [rows // size] * size if traced else received[0]
+        return [_grads.alltoall(HOST, g[0], back, rows, process_set, name=gname)]
+
+    out = apply("alltoall", flat.leaves, forward, [spec], backward)[0]
+    if splits is None:
+        return out
+    return out, jax.numpy.asarray(received[0])
+
+
+def _reducescatter(kind: str, tensor: Any, name: str | None,
+                   compression: type[Compressor], op: int | None, process_set: ProcessSet,
+                   pre: float, post: float, grouped: bool) -> Any:
+    resolved = _api.reducescatter_op(op)
+    flat = flatten(tensor)
+    if not flat.leaves:
+        return tensor
+    grouped = grouped or not flat.single
+    pairs = [compression.compress(x) for x in flat.leaves]
+    leaves = [c for c, _ in pairs]
+    specs = _specs(Flat(leaves, flat.treedef), _sp.REDUCE, kind)
+    dims = _rows(specs, kind)
+    me, size = _set(process_set)
+    out_specs = [Spec((d // size + (1 if me < d % size else 0),) + tuple(s.shape[1:]), s.dtype)
+                 for d, s in zip(dims, specs)]
+    full = op_name("grouped_reducescatter" if grouped else "reducescatter", name, flat, grouped,
+                   process_set)
+    gname = _grad_name(full, is_traced(leaves))
+    scale = _grads.reducescatter_scale(resolved, pre, post, process_set)
+    args = (resolved, process_set, pre, post)
+
+    def forward(a: list[np.ndarray]) -> list[np.ndarray]:
+        if grouped:
+            out: list[np.ndarray] = _sp.run(HOST, _sp.GROUPED_REDUCESCATTER, a, full, *args)
+            return out
+        return [_sp.run(HOST, _sp.REDUCESCATTER, a[0], full, *args)]
+
+    def backward(g: list[np.ndarray]) -> list[np.ndarray]:
+        if grouped:
+            return _grads.grouped_reducescatter(HOST, g, scale, process_set, name=gname)
+        return [_grads.reducescatter(HOST, g[0], scale, process_set, name=gname)]
+
+    outs = apply(kind, leaves, _guard(kind, flat, specs, grouped, process_set, forward),
+                 out_specs, backward)
+    return flat.unflatten([compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)])
+
+
+def reducescatter(tensor: Any, name: str | None = None,
+                  compression: type[Compressor] = Compression.none,
+                  op: int | None = ReduceOp.Average,
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> Any:
+    """Reduce (Sum or Average) across the set and return this rank's share of dimension 0
+    (the first ``dim0 % size`` members get one extra row). Pytrees: one group.
+    Differentiable."""
+    return _reducescatter("reducescatter", tensor, name, compression, op, process_set,
+                          prescale_factor, postscale_factor, False)
+
+
+def grouped_reducescatter(tensors: Any, name: str | None = None,
+                          compression: type[Compressor] = Compression.none,
+                          op: int | None = ReduceOp.Average,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+    """Reducescatter each array of a list (or pytree) as one group."""
+    return _reducescatter("grouped_reducescatter", tensors, name, compression, op, process_set,
+                          prescale_factor, postscale_factor, True)
+
+
+__all__ = ["allgather", "allreduce", "alltoall", "broadcast", "broadcast_host",
+           "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "op_name",
+           "reducescatter"]
