@@ -69,10 +69,18 @@ class CaseJob:
 
 def run_cases(group: str, np_: int = NP, timeout: float = 120.0) -> CaseJob:
     """`hora run -np N python tf_worker.py GROUP`, its process group killed on timeout."""
-    cmd = [sys.executable, "-m", "hora.runner.cli", "run", "-np", str(np_), sys.executable,
-           WORKER, group]
+    return run_command(["-np", str(np_), WORKER, group], np_=np_, timeout=timeout)
+
+
+def run_command(args: list[str], np_: int = NP, timeout: float = 120.0,
+                cwd: Path = HERE) -> CaseJob:
+    """`hora run <args>` (the script runs under this Python), its process group killed on
+    timeout."""
+    script = next(i for i, a in enumerate(args) if a.endswith(".py"))
+    cmd = [sys.executable, "-m", "hora.runner.cli", "run", *args[:script], sys.executable,
+           *args[script:]]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **JOB_ENV}, start_new_session=True, cwd=HERE)
+                            env={**os.environ, **JOB_ENV}, start_new_session=True, cwd=cwd)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
