@@ -1,0 +1,331 @@
+"""JAX-only cases: pytrees, jit, vmap, gradients checked against Horovod's rules, optax, and
+mismatches across ranks. Each ``fn(hvd)`` runs on every rank of a 2-rank job and asserts on
+its own rank; expected values are computed here with numpy from every rank's inputs."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax_case_ids import JAX_ONLY
+
+
+def _x(rank: int, shape: tuple[int, ...], salt: int = 0) -> np.ndarray:
+    n = int(np.prod(shape))
+    return ((np.arange(n) + 3 * rank + salt) % 5 + 1).astype(np.float32).reshape(shape)
+
+
+def _tree(rank: int) -> dict[str, Any]:
+    return {"w": _x(rank, (2, 3)), "b": [_x(rank, (3,), 1), _x(rank, (4, 1), 2)]}
+
+
+def _eq(got: Any, want: Any, what: str, tol: float = 1e-5) -> None:
+    g, w = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want), what
+    for a, b in zip(g, w):
+        assert np.shape(a) == np.shape(b), f"{what}: shape {np.shape(a)} != {np.shape(b)}"
+        assert np.allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=tol), \
+            f"{what}: got {np.asarray(a).ravel()[:6]} want {np.asarray(b).ravel()[:6]}"
+
+
+def _all(fn: Callable[[int], Any], n: int) -> list[Any]:
+    return [fn(q) for q in range(n)]
+
+
+def _ops(hvd: Any, t: Any) -> dict[str, Any]:
+    """Every op on ``t`` (a pytree), with the numpy reference of each."""
+    return {"sum": hvd.allreduce(t, op=hvd.Sum), "avg": hvd.allreduce(t),
+            "gather": hvd.allgather(t), "bcast": hvd.broadcast(t, 1),
+            "rs": hvd.reducescatter(t, op=hvd.Sum), "grouped": hvd.grouped_allreduce(
+                jax.tree_util.tree_leaves(t), op=hvd.Max)}
+
+
+def _ops_want(r: int, n: int) -> dict[str, Any]:
+    trees = _all(_tree, n)
+    stack = lambda f: jax.tree_util.tree_map(lambda *xs: f(np.stack(xs)), *trees)  # noqa: E731
+    total = stack(lambda s: s.sum(0))
+    return {"sum": total, "avg": stack(lambda s: s.mean(0)),
+            "gather": jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *trees),
+            "bcast": trees[1], "rs": jax.tree_util.tree_map(
+                lambda x: np.array_split(x, n)[r], total),
+            "grouped": jax.tree_util.tree_leaves(stack(lambda s: s.max(0)))}
+
+
+def tree_ops(hvd: Any) -> None:
+    r, n = hvd.rank(), hvd.size()
+    t = jax.tree_util.tree_map(jnp.asarray, _tree(r))
+    _eq(_ops(hvd, t), _ops_want(r, n), "pytree ops (eager)")
+    _eq(t, _tree(r), "inputs untouched")
+
+
+def tree_async(hvd: Any) -> None:
+    r, n = hvd.rank(), hvd.size()
+    t = jax.tree_util.tree_map(jnp.asarray, _tree(r))
+    want = _ops_want(r, n)
+    h = [hvd.allreduce_async(t, op=hvd.Sum), hvd.allgather_async(t),
+         hvd.reducescatter_async(t, op=hvd.Sum), hvd.broadcast_async(t["w"], 1),
+         hvd.grouped_allreduce_async(jax.tree_util.tree_leaves(t), op=hvd.Max),
+         hvd.allreduce_async(t["w"], op=hvd.Sum, name="tree_async.one")]
+    got = [hvd.synchronize(x) for x in h]
+    _eq(got, [want["sum"], want["gather"], want["rs"], want["bcast"]["w"], want["grouped"],
+              want["sum"]["w"]], "async forms")
+    assert all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(got))
+
+
+def metrics_dict(hvd: Any) -> None:
+    r, n = hvd.rank(), hvd.size()
+    got = hvd.allreduce({"loss": jnp.float32(r), "acc": 0.5 + r, "count": jnp.int32(2 + r)})
+    assert np.isclose(float(got["loss"]), (n - 1) / 2)
+    assert np.isclose(float(got["acc"]), 0.5 + (n - 1) / 2)
+    assert int(got["count"]) == int(sum(2 + q for q in range(n)) // n)
+
+
+def jit_ops(hvd: Any) -> None:
+    r, n = hvd.rank(), hvd.size()
+    t = jax.tree_util.tree_map(jnp.asarray, _tree(r))
+    f = jax.jit(lambda t: _ops(hvd, t))
+    want = _ops_want(r, n)
+    _eq(f(t), want, "pytree ops (jit)")
+    _eq(f(t), want, "pytree ops (jit, second call)")
+    a2a = jax.jit(lambda x: hvd.alltoall(x))(jnp.arange(2.0 * n) + 10 * r)
+    _eq(a2a, np.concatenate([np.arange(2.0 * r, 2.0 * r + 2) + 10 * q for q in range(n)]),
+        "alltoall (jit)")
+
+
+def jit_steady_names(hvd: Any) -> None:
+    """A compiled step keeps its op names: many executions, interleaved with eager ops."""
+    r, n = hvd.rank(), hvd.size()
+    step = jax.jit(lambda x: hvd.allreduce(x, op=hvd.Sum) + 1)
+    x = jnp.full(4, float(r))
+    want = float(sum(range(n))) + 1
+    for _ in range(20):
+        x = step(x)
+        hvd.allreduce(jnp.ones(1))
+    for _ in range(19):
+        want = n * want + 1
+    assert np.allclose(np.asarray(x), want, rtol=1e-6), (np.asarray(x), want)
+
+
+def vmap_case(hvd: Any) -> None:
+    r, n = hvd.rank(), hvd.size()
+    xs = jnp.asarray(np.stack([_x(r, (3,), k) for k in range(4)]))
+    got = jax.jit(jax.vmap(lambda v: hvd.allreduce(v, op=hvd.Sum)))(xs)
+    want = sum(np.stack([_x(q, (3,), k) for k in range(4)]) for q in range(n))
+    _eq(got, want, "vmap(allreduce)")
+    gathered = jax.vmap(lambda v: hvd.allgather(v))(xs)
+    _eq(gathered, np.stack([np.concatenate([_x(q, (3,), k) for q in range(n)])
+                            for k in range(4)]), "vmap(allgather): one gather per element")
+
+
+def _weights(rank: int, shape: tuple[int, ...]) -> np.ndarray:
+    return _x(rank, shape, 7) * (rank + 1)
+
+
+def _grad(fn: Callable[[Any], Any], x: np.ndarray) -> np.ndarray:
+    return np.asarray(jax.jit(jax.grad(fn))(jnp.asarray(x)))
+
+
+def grad_allreduce(hvd: Any) -> None:
+    r, n = hvd.rank(), hvd.size()
+    x, w = _x(r, (2, 3)), _weights(r, (2, 3))
+    ws = _all(lambda q: _weights(q, (2, 3)), n)
+    for op, want in ((hvd.Sum, sum(ws)), (hvd.Average, sum(ws) / n), (hvd.Max, np.max(ws, 0))):
+        g = _grad(lambda v, op=op: (w * hvd.allreduce(v, op=op)).sum(), x)
+        _eq(g, want, f"d allreduce(op={op})")
+    g = _grad(lambda v: (w * hvd.allreduce(v, op=hvd.Sum, prescale_factor=2.0,
+                                           postscale_factor=0.5)).sum(), x)
+    _eq(g, sum(ws), "d allreduce with factors (same factors on the gradient)")
+
+
+def grad_allreduce_tree(hvd: Any) -> None:
+    r, n = hvd.rank(), hvd.size()
+    t = _tree(r)
+    wt = jax.tree_util.tree_map(lambda a: a * (r + 2), t)
+
+    def loss(tree: Any) -> Any:
+        out = hvd.allreduce(tree, op=hvd.Sum)
+        return sum((a * b).sum() for a, b in zip(jax.tree_util.tree_leaves(out),
+                                                  jax.tree_util.tree_leaves(wt)))
+    g = jax.jit(jax.grad(loss))(jax.tree_util.tree_map(jnp.asarray, t))
+    want = jax.tree_util.tree_map(lambda *a: sum(a), *[
+        jax.tree_util.tree_map(lambda a, q=q: a * (q + 2), _tree(q)) for q in range(n)])
+    _eq(g, want, "d allreduce(pytree)")
+
+
+def grad_allgather(hvd: Any) -> None:
+    r, n = hvd.rank(), hvd.size()
+    x, w = _x(r, (2, 3)), _weights(r, (2 * n, 3))
+    g = _grad(lambda v: (w * hvd.allgather(v)).sum(), x)
+    avg = sum(_all(lambda q: _weights(q, (2 * n, 3)), n)) / n
+    _eq(g, avg[2 * r:2 * r + 2], "d allgather: average, then this rank's rows")
+
+
+def grad_broadcast(hvd: Any) -> None:
+    r, n = hvd.rank(), hvd.size()
+    x, w = _x(r, (3,)), _weights(r, (3,))
+    g = _grad(lambda v: (w * hvd.broadcast(v, 1)).sum(), x)
+    avg = sum(_all(lambda q: _weights(q, (3,)), n)) / n
+    _eq(g, avg if r == 1 else np.zeros(3), "d broadcast: average at the root, zero elsewhere")
+
+
+def grad_reducescatter(hvd: Any) -> None:
+    r, n = hvd.rank(), hvd.size()
+    x = _x(r, (2 * n + 1, 2))
+    share = (2 * n + 1) // n + (1 if r < (2 * n + 1) % n else 0)
+    w = _weights(r, (share, 2))
+    for op, scale in ((hvd.Sum, n), (hvd.Average, 1)):
+        g = _grad(lambda v, op=op: (w * hvd.reducescatter(v, op=op)).sum(), x)
+        want = np.concatenate([_weights(q, ((2 * n + 1) // n + (1 if q < (2 * n + 1) % n
+                                                                  else 0), 2))
+                               for q in range(n)]) * scale
+        _eq(g, want, f"d reducescatter(op={op}): gradient * scale, allgathered")
+
+
+def grad_alltoall(hvd: Any) -> None:
+    r, n = hvd.rank(), hvd.size()
+    x, w = _x(r, (2 * n, 2)), _weights(r, (2 * n, 2))
+    g = _grad(lambda v: (w * hvd.alltoall(v)).sum(), x)
+    want = np.concatenate([_weights(q, (2 * n, 2))[2 * r:2 * r + 2] for q in range(n)])
+    _eq(g, want, "d alltoall: gradients travel back")
+
+
+def grad_eager_equals_jit(hvd: Any) -> None:
+    r = hvd.rank()
+    x, w = _x(r, (4,)), _weights(r, (4 * hvd.size(),))
+
+    def loss(v: Any) -> Any:
+        return (w * hvd.allgather(hvd.allreduce(v * v, op=hvd.Sum))).sum()
+    eager = np.asarray(jax.grad(loss)(jnp.asarray(x)))
+    _eq(eager, _grad(loss, x), "grad without jit == grad under jit")
+
+
+def _train(hvd: Any, tx: Any, steps: int) -> tuple[Any, list[float]]:
+    r = hvd.rank()
+    rng = np.random.default_rng(100 + r)  # each rank its own data
+    true_w = np.array([1.0, -2.0, 0.5], np.float32)
+    params = {"w": jnp.asarray(rng.normal(size=3).astype(np.float32)), "b": jnp.float32(r)}
+    params = hvd.broadcast_parameters(params, root_rank=0)
+    opt_state = hvd.broadcast_optimizer_state(tx.init(params), root_rank=0)
+
+    @jax.jit
+    def step(p: Any, s: Any, xb: Any, yb: Any) -> Any:
+        loss, g = jax.value_and_grad(
+            lambda p: ((xb @ p["w"] + p["b"] - yb) ** 2).mean())(p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, hvd.allreduce(loss)
+
+    losses = []
+    for _ in range(steps):
+        xb = rng.normal(size=(16, 3)).astype(np.float32)
+        params, opt_state, loss = step(params, opt_state, xb, xb @ true_w + 0.3)
+        losses.append(float(loss))
+    return params, losses
+
+
+def _identical(hvd: Any, params: Any) -> None:
+    everyone = hvd.allgather_object(jax.tree_util.tree_map(np.asarray, params))
+    for other in everyone[1:]:
+        for a, b in zip(jax.tree_util.tree_leaves(everyone[0]),
+                        jax.tree_util.tree_leaves(other)):
+            assert np.array_equal(a, b), "parameters differ across ranks"
+
+
+def optimizer_identical(hvd: Any) -> None:
+    params, losses = _train(hvd, hvd.DistributedOptimizer(optax.adam(0.05)), 60)
+    _identical(hvd, params)
+    assert losses[-1] < 0.1 * losses[0], losses[::10]
+
+
+def optimizer_passes_fp16(hvd: Any) -> None:
+    tx = hvd.DistributedOptimizer(optax.sgd(0.05), compression=hvd.Compression.fp16,
+                                  backward_passes_per_step=2, name="opt2", groups=2)
+    params, losses = _train(hvd, tx, 40)
+    _identical(hvd, params)
+    assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
+def broadcast_state(hvd: Any) -> None:
+    r = hvd.rank()
+    tx = optax.adam(0.1)
+    params = {"w": jnp.full(3, float(r)), "k": jnp.int32(r)}
+    state = tx.update(jax.tree_util.tree_map(jnp.ones_like, {"w": params["w"]}),
+                      tx.init({"w": params["w"]}))[1]
+    state = jax.tree_util.tree_map(lambda a: a * (r + 1), state)
+    got_p = hvd.broadcast_parameters(params, root_rank=1)
+    got_s = hvd.broadcast_optimizer_state(state, root_rank=1)
+    _eq(got_p, {"w": np.full(3, 1.0), "k": 1}, "broadcast_parameters")
+    root_state = jax.tree_util.tree_map(lambda a: np.asarray(a) / (r + 1) * 2, state)
+    _eq(got_s, root_state, "broadcast_optimizer_state")
+    assert hvd.broadcast_object({"r": r}, root_rank=1) == {"r": 1}
+
+
+def _expect(fn: Callable[[], Any], pattern: str) -> None:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        assert re.search(pattern, str(exc)), f"error {type(exc).__name__}: {exc}"
+        return
+    raise AssertionError(f"no error raised (expected /{pattern}/)")
+
+
+def mismatch_tree_structure(hvd: Any) -> None:
+    r = hvd.rank()
+    t = {"a": jnp.ones(2), ("b" if r == 0 else "c"): jnp.ones(3)}
+    _expect(lambda: hvd.allreduce(t),
+            r"ranks passed different pytrees: leaf \['(b|c)'\] is .* on rank 0, .* on rank 1")
+    assert float(hvd.allreduce(jnp.ones(1))[0]) == 1.0  # the job goes on
+
+
+def mismatch_tree_structure_jit(hvd: Any) -> None:
+    r = hvd.rank()
+    t = {"a": jnp.ones(2), "extra": [jnp.ones(1)] * (r + 1)}
+    _expect(lambda: jax.block_until_ready(jax.jit(lambda t: hvd.allreduce(t))(t)),
+            r"leaf \['extra'\]\[1\] is missing on rank 0, float(32|64)\[1\] on rank 1")
+
+
+def mismatch_tree_shape(hvd: Any) -> None:
+    r = hvd.rank()
+    t = {"a": jnp.ones(2), "w": jnp.ones(3 + r)}
+    _expect(lambda: hvd.allreduce(t),
+            r"leaf \['w'\] is float(32|64)\[3\] on rank 0, float(32|64)\[4\] on rank 1")
+
+
+def mismatch_shape(hvd: Any) -> None:
+    r = hvd.rank()
+    _expect(lambda: hvd.allreduce(jnp.ones(3 + r), name="mismatch.one"), r"shape")
+    _expect(lambda: jax.jit(lambda x: hvd.allreduce(x, name="mismatch.jit"))(jnp.ones(3 + r)),
+            r"shape")
+
+
+def traced_errors(hvd: Any) -> None:
+    x = jnp.ones((hvd.size(), 2))
+    _expect(lambda: jax.jit(lambda v: hvd.synchronize(hvd.allreduce_async(v)))(x),
+            r"cannot be called inside jax.jit")
+    _expect(lambda: jax.jit(lambda v: hvd.alltoall(v, splits=[1, 1]))(x), r"splits=None")
+    _expect(lambda: hvd.allreduce(jnp.ones(2, jnp.uint32)), r"Tensor type uint32 is not "
+            r"supported")
+    _expect(lambda: hvd.allgather(jnp.float32(1.0)), r"0-d arrays")
+
+
+CASES = {
+    "tree-ops": tree_ops, "tree-async": tree_async, "metrics-dict": metrics_dict,
+    "jit-ops": jit_ops, "jit-steady-names": jit_steady_names, "vmap": vmap_case,
+    "grad-allreduce": grad_allreduce, "grad-allreduce-tree": grad_allreduce_tree,
+    "grad-allgather": grad_allgather, "grad-broadcast": grad_broadcast,
+    "grad-reducescatter": grad_reducescatter, "grad-alltoall": grad_alltoall,
+    "grad-eager-equals-jit": grad_eager_equals_jit, "optimizer-identical": optimizer_identical,
+    "optimizer-passes-fp16": optimizer_passes_fp16, "broadcast-state": broadcast_state,
+    "mismatch-tree-structure": mismatch_tree_structure,
+    "mismatch-tree-structure-jit": mismatch_tree_structure_jit,
+    "mismatch-tree-shape": mismatch_tree_shape, "mismatch-shape": mismatch_shape,
+    "traced-errors": traced_errors,
+}
+
+
+def cases() -> list[tuple[str, Any]]:
+    return [(case_id, CASES[case_id]) for case_id in JAX_ONLY]

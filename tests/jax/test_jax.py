@@ -1,0 +1,34 @@
+"""hora.jax in one real 2-rank ``hora run`` job: the framework-neutral collective suite on jax
+arrays, then pytrees, jit, vmap, gradients (checked against their definitions), optax, and the
+errors for ranks that disagree (one pytest test per case). This process never imports JAX."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from jax_jobs import HERE, NP, CaseJob, needs_jax, run_cases
+
+sys.path.append(str(HERE.parent / "torch"))  # the framework-neutral collective suite
+import jax_case_ids  # noqa: E402 - needs the path above
+
+pytestmark = [pytest.mark.integration, needs_jax]
+
+
+@pytest.fixture(scope="module")
+def job() -> CaseJob:
+    return run_cases("group_jax")
+
+
+@pytest.mark.parametrize("case_id", jax_case_ids.all_ids())
+def test_case(job: CaseJob, case_id: str) -> None:
+    job.assert_ok(case_id)
+
+
+def test_job_finished_cleanly(job: CaseJob) -> None:
+    assert job.returncode == 0, job.stderr[-4000:]
+    assert job.stdout.count("DONE") == NP
+
+
+def test_pytest_process_does_not_import_jax() -> None:
+    assert "jax" not in sys.modules
