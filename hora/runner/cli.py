@@ -1,4 +1,5 @@
-"""The ``hora`` command line: ``hora run``, ``hora check``, ``hora timeline``, ``hora --version``.
+"""The ``hora`` command line: ``hora run``, ``hora check``, ``hora timeline``, ``hora clean``,
+``hora --version``.
 
 Runner layer (imports only base layers, rendezvous and the runner). ``hora run`` accepts every
 ``horovodrun`` flag with the same meaning; the tunable flags are generated from the knob table
@@ -61,6 +62,7 @@ commands:
                                        {PROG} run -np 8 -H a:4,b:4 python train.py
   check    show frameworks, transports and launchers (also: {PROG} run --check-build)
   timeline summarize a timeline file:  {PROG} timeline timeline.json
+  clean    remove shared memory that exited jobs left in /dev/shm on this host
 
 options:
   -h, --help     show this help and exit
@@ -227,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
             return check.main(args[1:])
         if first == "timeline":
             return timeline_main(args[1:])
+        if first == "clean":
+            from hora.runner import clean
+
+            return clean.main(args[1:])
         if first in ("-cb", "--check-build"):
             return check.main([], checklist_first=True)
         if first.startswith("-"):  # horovodrun's spelling: hora -np 4 python train.py

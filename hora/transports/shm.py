@@ -48,6 +48,7 @@ from hora._util.shm_names import (  # the naming rule lives there; re-exported (
     segment_path,
     valid_job_id,
 )
+from hora._util.shm_owners import process_start_time  # re-exported (__all__)
 from hora.errors import TransportError
 
 log = get_logger(__name__)
@@ -283,20 +284,6 @@ def capacity_for(nbytes: int) -> int:
     while cap < nbytes:
         cap *= 2
     return cap
-
-
-def process_start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks (``/proc/<pid>/stat`` field 22), or None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2:].split()
-    try:
-        return int(fields[19]) if fields[0] not in (b"Z", b"X") else None
-    except (IndexError, ValueError):
-        return None
 
 
 __all__ = [

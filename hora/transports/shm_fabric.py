@@ -32,6 +32,12 @@ import secrets
 import time
 
 from hora._util.log import get_logger
+from hora._util.shm_owners import (
+    W_PIDNS,
+    pid_namespace,
+    remove,
+    sweep,
+)
 from hora.collectives.comm import Comm
 from hora.errors import HoraTimeoutError, PeerLostError, TransportError
 from hora.transports.shm import (
@@ -147,6 +153,7 @@ class ShmFabric:
         """
         if not valid_job_id(job_id):
             job_id = job_id_for(job_id, None)
+        _sweep_once()
         tokens = _exchange(comm, secrets.token_bytes(8))
         group = tokens[0].hex()
         token = int.from_bytes(tokens[0], "little")
@@ -324,11 +331,18 @@ class ShmFabric:
             futex_wake(self._counter_address)
         except (ValueError, IndexError):
             pass
+        # Peers that died cannot unlink their segments: the survivors do (shm_owners' rule).
+        dead = [peer for peer in self._peers if not self._alive(peer)]
         self._header.release()
         for view in self._peer_headers.values():
             view.release()
         for seg in self._own + [s for segs in self._peers.values() for s in segs]:
             seg.close()
+        removed = remove([seg.path for peer in dead for seg in self._peers[peer]])
+        if removed:
+            log.info("removed the shared memory segments of %s (died): %s",
+                     ", ".join(self.describe(p) for p in dead),
+                     ", ".join(os.path.basename(p) for p in removed))
 
     def __del__(self) -> None:  # pragma: no cover - best effort if close() was forgotten
         if not getattr(self, "_closed", True):
@@ -338,15 +352,28 @@ class ShmFabric:
                 pass
 
 
+_swept = False
+
+
+def _sweep_once() -> None:
+    """A process's first group removes segments that dead processes left on this host (a rank
+    SIGKILLed under torchrun, mpirun or srun has no launcher to sweep after it)."""
+    global _swept
+    if not _swept:
+        _swept = True
+        sweep(SHM_DIR)
+
+
 def _init_header(seg: Segment, token: int) -> None:
     header = seg.array.data.cast("I")
     pid = os.getpid()
     start = process_start_time(pid) or 0
-    header[_W_MAGIC], header[_W_VERSION], header[_W_PID] = _MAGIC, _VERSION, pid
+    header[_W_VERSION], header[_W_PID], header[W_PIDNS] = _VERSION, pid, pid_namespace()
     header[_W_START_LO], header[_W_START_HI] = start & MASK, (start >> 32) & MASK
     header[_W_TOKEN_LO], header[_W_TOKEN_HI] = token & MASK, token >> 32
     header[_W_CAP[0]] = header[_W_CAP[1]] = MIN_CAPACITY >> 10
     header[_W_COUNTER] = 0
+    header[_W_MAGIC] = _MAGIC  # the identity is complete (a sweeper may judge the owner now)
     header[_W_STATE] = _READY
     header.release()
 

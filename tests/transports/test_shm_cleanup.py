@@ -1,0 +1,150 @@
+"""Nothing left in /dev/shm: ranks SIGKILLed outside `hora run` (torchrun-style env, a real
+mpirun) have their segments removed by the survivors; a job whose every rank was SIGKILLed is
+swept by the next job on the host; `hora clean` removes what is left.
+
+Each job gets its own HORA_JOB_ID, so only its segments are looked at (other jobs may run)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hora._util import shm_owners
+from hora._util.net import free_port
+from hora._util.shm_names import job_segments
+
+pytestmark = pytest.mark.timeout(120)
+
+WORKER = str(Path(__file__).with_name("shm_cleanup_worker.py"))
+_ids = itertools.count()
+
+
+def _job_id() -> str:
+    return f"cleanup{os.getpid()}_{next(_ids)}"
+
+
+def _clean_env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+    return {**env, "HORA_START_TIMEOUT": "30", "OMP_NUM_THREADS": "1", **extra}
+
+
+def _torchrun_envs(n: int, job_id: str) -> list[dict[str, str]]:
+    port, store_port = str(free_port()), str(free_port())
+    return [_clean_env({"RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r),
+                        "LOCAL_WORLD_SIZE": str(n), "GROUP_RANK": "0",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                        "HORA_RENDEZVOUS_PORT": store_port, "HORA_JOB_ID": job_id})
+            for r in range(n)]
+
+
+def _spawn(envs: list[dict[str, str]], scenario: str, timeout: float = 60
+           ) -> list[tuple[int, str]]:
+    """One worker per env, as an external launcher would start them; (returncode, output)."""
+    procs = [subprocess.Popen([sys.executable, WORKER, scenario], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                              env=e) for e in envs]
+    results = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            results.append((p.returncode, out))
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return results
+
+
+def test_survivors_remove_a_sigkilled_peers_segments_under_torchrun_env() -> None:
+    job = _job_id()
+    results = _spawn(_torchrun_envs(3, job), "kill_one")
+    assert results[2][0] == -signal.SIGKILL, results[2][1]
+    for code, out in results[:2]:
+        assert code == 3 and "RAISED" in out, out
+    assert job_segments(job) == []
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None,
+                    reason="Open MPI's mpirun is not installed (apt-get install openmpi-bin)")
+def test_survivors_remove_a_sigkilled_peers_segments_under_real_mpirun() -> None:
+    job = _job_id()
+    env = _clean_env({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                      "HORA_JOB_ID": job})
+    proc = subprocess.Popen(["mpirun", "--oversubscribe", "-np", "3", sys.executable, WORKER,
+                             "kill_one"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert out.count("RAISED") == 2, out
+    assert job_segments(job) == []
+
+
+def test_next_job_sweeps_a_job_whose_every_rank_was_sigkilled() -> None:
+    dead_job = _job_id()
+    results = _spawn(_torchrun_envs(2, dead_job), "kill_all")
+    assert all(code == -signal.SIGKILL for code, _ in results), results
+    left = job_segments(dead_job)
+    assert len(left) == 12, left  # 2 ranks x (route + lane group) x (h, d0, d1)
+    assert set(left) <= set(shm_owners.stale_segments())
+    results = _spawn(_torchrun_envs(2, _job_id()), "simple")
+    assert all(code == 0 for code, _ in results), results
+    assert job_segments(dead_job) == []
+
+
+def test_hora_clean_removes_what_dead_jobs_left(capfd: pytest.CaptureFixture[str]) -> None:
+    from hora.runner.cli import main
+
+    job = _job_id()
+    _spawn(_torchrun_envs(2, job), "kill_all")
+    left = job_segments(job)
+    assert left
+    assert main(["clean", "--dry-run"]) == 0
+    out = capfd.readouterr().out
+    assert all(f"would remove {p}" in out for p in left), out
+    assert job_segments(job) == left
+    assert main(["clean"]) == 0
+    out = capfd.readouterr().out
+    assert all(f"removed {p}" in out for p in left), out
+    assert job_segments(job) == []
+
+
+def test_sweep_leaves_live_and_unjudgeable_owners_alone(tmp_path: Path) -> None:
+    import struct
+
+    def header(name: str, pid: int, start: int, pidns: int) -> None:
+        words = [0] * 16
+        words[shm_owners.W_MAGIC] = shm_owners.MAGIC
+        words[shm_owners.W_PID], words[shm_owners.W_PIDNS] = pid, pidns
+        words[shm_owners.W_START_LO] = start
+        (tmp_path / f"hora-j-{name}-h").write_bytes(struct.pack("<16I", *words))
+        (tmp_path / f"hora-j-{name}-d0").write_bytes(b"\0" * 64)
+
+    me, ns = os.getpid(), shm_owners.pid_namespace()
+    start = shm_owners.process_start_time(me) or 0
+    header("g-0", me, start, ns)  # alive: kept
+    header("g-1", me, start + 1, ns)  # a reused pid (other start time): swept
+    header("g-2", me, start + 1, ns ^ 1)  # another pid namespace: cannot judge, kept
+    (tmp_path / "hora-j-g-3-d1").write_bytes(b"")  # orphan data segment: only `hora clean`
+    (tmp_path / "hora-j.live.0").write_bytes(b"")  # a live marker, not a segment
+    stale = [os.path.basename(p) for p in shm_owners.stale_segments(str(tmp_path))]
+    assert stale == ["hora-j-g-1-d0", "hora-j-g-1-h"]
+    with_orphans = shm_owners.stale_segments(str(tmp_path), orphans=True)
+    assert [os.path.basename(p) for p in with_orphans] == [
+        "hora-j-g-1-d0", "hora-j-g-1-h", "hora-j-g-3-d1"]
+    shm_owners.sweep(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["hora-j-g-0-d0", "hora-j-g-0-h", "hora-j-g-2-d0",
+                                            "hora-j-g-2-h", "hora-j-g-3-d1", "hora-j.live.0"]
