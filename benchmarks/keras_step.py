@@ -1,0 +1,193 @@
+"""Keras 3 ``model.fit``: hora's DistributedOptimizer vs MultiWorkerMirroredStrategy vs no sync.
+
+    python benchmarks/keras_step.py                     # 2 ranks, MLP 784-1024-1024-10
+    python benchmarks/keras_step.py --rounds 9 --steps 30
+    python benchmarks/keras_step.py --rounds 1 --steps 3 --hidden 64    # smoke test
+    hora run -np 2 python benchmarks/keras_step.py --worker   # what the first line launches
+
+The same 2 processes (started by ``hora run -np 2``, one TensorFlow thread each) train three
+copies of one MLP on a fixed synthetic batch of ``--batch`` samples per rank, SGD, each with
+``model.fit(steps_per_epoch=--steps)``:
+
+* ``hora``: ``hora.keras.DistributedOptimizer`` (one fused allreduce of the gradients per step,
+  inside the compiled train step);
+* ``mwms``: ``tf.distribute.MultiWorkerMirroredStrategy`` (TensorFlow's own collective ops over
+  gRPC on 127.0.0.1, ports shared by rank 0 through ``hvd.broadcast_object``; the strategy is
+  created first, as TensorFlow requires), model and optimizer built in its scope. Keras 3.15's
+  ``model.fit`` fails under this strategy with 2 workers (``strategy.reduce("MEAN", loss,
+  axis=0)`` on a scalar: "Invalid reduction dimension 0 for input with 0 dimensions"), so the
+  step is the custom loop the TensorFlow guides use: ``strategy.run`` of tape + ``opt.apply``
+  in one ``tf.function``;
+* ``nosync``: ``model.fit`` with a plain optimizer (the compute-only floor of ``hora``);
+* ``nosync_loop``: the custom loop without a strategy (the floor of ``mwms``).
+
+The machine's speed swings, so variants are interleaved in rounds (order rotated per round) and
+medians over rounds are reported. Samples/s counts both ranks (``size * batch * steps / time``
+on rank 0; ``fit`` synchronizes the ranks every step). Ratios are of the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+VARIANTS = ("hora", "mwms", "nosync", "nosync_loop")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker(args: argparse.Namespace) -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import hora
+
+    hora.init()
+    rank, size = hora.rank(), hora.size()
+    ports = hora.broadcast_object([_free_port() for _ in range(size)] if rank == 0 else None, 0)
+    os.environ["TF_CONFIG"] = json.dumps({
+        "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+        "task": {"type": "worker", "index": rank}})
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()  # before any other TF op
+    import keras
+    import numpy as np
+
+    import hora.keras as hvd
+
+    rng = np.random.RandomState(rank)
+    x = rng.randn(args.batch, 784).astype("float32")
+    y = rng.randint(0, 10, size=args.batch).astype("float32")  # MWMS: Keras 3 averages a batch
+
+    def mlp() -> Any:
+        keras.utils.set_random_seed(0)
+        layers = [keras.Input((784,))]
+        layers += [keras.layers.Dense(args.hidden, activation="relu") for _ in range(2)]
+        return keras.Sequential([*layers, keras.layers.Dense(10)])
+
+    def loss() -> Any:  # one loss object per model (a shared one breaks the strategy's model)
+        return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    models: dict[str, Any] = {}
+    runs: dict[str, Any] = {}
+    xt, yt = tf.constant(x), tf.constant(y)
+
+    def fit_runner(model: Any) -> Any:
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        return lambda steps: model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0,
+                                           shuffle=False)
+
+    def loop_runner(model: Any, opt: Any, strategy: Any) -> Any:
+        loss_fn = loss()
+
+        def replica_step(xb: Any, yb: Any) -> None:
+            with tf.GradientTape() as tape:
+                # the strategy sums the replicas' gradients: scale each replica's mean loss
+                value = loss_fn(yb, model(xb, training=True)) / strategy.num_replicas_in_sync
+            opt.apply(tape.gradient(value, model.trainable_variables),
+                      model.trainable_variables)
+
+        step = tf.function(lambda: strategy.run(replica_step, args=(xt, yt)))
+
+        def run(steps: int) -> None:
+            for _ in range(steps):
+                step()
+        return run
+
+    for variant in VARIANTS:
+        if variant == "mwms":
+            with strategy.scope():
+                model, opt = mlp(), keras.optimizers.SGD(0.01)
+                opt.build(model.trainable_variables)
+            runs[variant] = loop_runner(model, opt, strategy)
+        elif variant == "nosync_loop":
+            model, opt = mlp(), keras.optimizers.SGD(0.01)
+            runs[variant] = loop_runner(model, opt, tf.distribute.get_strategy())
+        else:
+            model, opt = mlp(), keras.optimizers.SGD(0.01)
+            model.compile(optimizer=hvd.DistributedOptimizer(opt) if variant == "hora" else opt,
+                          loss=loss())
+            runs[variant] = fit_runner(model)
+        models[variant] = model
+
+    def run(variant: str, steps: int) -> float:
+        start = time.perf_counter()
+        runs[variant](steps)
+        return time.perf_counter() - start
+
+    for variant in VARIANTS:  # trace and warm up
+        run(variant, args.warmup)
+    rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for r in range(args.rounds):
+        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+        for variant in order:
+            rates[variant].append(size * args.batch * args.steps / run(variant, args.steps))
+    weights = {v: float(sum(np.abs(w.numpy()).sum() for w in models[v].weights))
+               for v in ("hora", "mwms")}
+    everyone = hvd.allgather_object(weights)
+    if rank == 0:
+        _report(args, size, models["hora"].count_params(), rates, everyone)
+    hvd.shutdown()
+
+
+def _report(args: argparse.Namespace, size: int, n_params: int,
+            rates: dict[str, list[float]], everyone: list[dict[str, float]]) -> None:
+    import keras
+    import tensorflow as tf
+
+    med = {v: statistics.median(rates[v]) for v in VARIANTS}
+    print(f"\nKeras model.fit step, {size} ranks x 1 thread, MLP 784-{args.hidden}-{args.hidden}"
+          f"-10 ({n_params / 1e6:.2f} M params), batch {args.batch} per rank, SGD, "
+          f"{args.rounds} rounds x {args.steps} steps")
+    print(f"tensorflow {tf.__version__}, keras {keras.__version__}")
+    print(f"\n{'variant':>11} | {'samples/s':>10} {'min':>9} {'max':>9} | {'ms/step':>8}")
+    for v in VARIANTS:
+        print(f"{v:>11} | {med[v]:10.1f} {min(rates[v]):9.1f} {max(rates[v]):9.1f} | "
+              f"{1000 * size * args.batch / med[v]:8.2f}")
+    print(f"\nhora/mwms samples/s: {med['hora'] / med['mwms']:.2f}x; "
+          f"hora/nosync: {med['hora'] / med['nosync']:.2f}x; "
+          f"mwms/nosync_loop: {med['mwms'] / med['nosync_loop']:.2f}x")
+    same = {v: len({round(w[v], 3) for w in everyone}) == 1 for v in ("hora", "mwms")}
+    print("replicas identical across ranks: "
+          + ", ".join(f"{v} {'yes' if ok else 'NO'}" for v, ok in same.items()), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--np", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=64, help="samples per rank per step")
+    parser.add_argument("--steps", type=int, default=20, help="steps per variant per round")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--worker", action="store_true",
+                        help="run as one rank (under hora run) instead of launching")
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+    passed = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--worker"]
+    cmd = [sys.executable, "-m", "hora.runner.cli", "run", "-np", str(args.np), sys.executable,
+           os.path.abspath(__file__), "--worker", *passed]
+    print("launching: " + shlex.join(["hora", "run", "-np", str(args.np), "python",
+                                      "benchmarks/keras_step.py", "--worker", *passed]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+           "KERAS_BACKEND": "tensorflow"}
+    sys.exit(subprocess.call(cmd, env=env))
+
+
+if __name__ == "__main__":
+    main()
