@@ -122,7 +122,12 @@ KNOBS: tuple[Knob, ...] = (
        "for this long is declared lost: hung, stopped or unreachable. 0 disables.",
        alias=False),
     _k("start_timeout", float, 30.0, "--start-timeout",
-       "Seconds allowed for all ranks to start and meet at the rendezvous."),
+       "Seconds start-up may go without progress: it fails, naming the missing ranks, when no "
+       "new rank reached init() for this long (a slow but steady start of many ranks "
+       "succeeds)."),
+    _k("start_timeout_cap", float, 600.0, "--start-timeout-cap",
+       "hora-only: seconds allowed for the whole start-up however steady (at least "
+       "start_timeout).", alias=False),
     # --- observability ---
     _k("timeline", str, "", "--timeline-filename",
        "Write a Chrome-trace timeline to this file ('DYNAMIC': enabled, not started); "
@@ -180,6 +185,32 @@ NON_KNOB_HORA_VARS: frozenset[str] = frozenset({
     "HORA_CROSS_SIZE", "HORA_RENDEZVOUS_ADDR", "HORA_RENDEZVOUS_PORT", "HORA_SECRET_KEY",
     "HORA_JOB_ID", "HORA_LAUNCHER", "HORA_LAUNCHER_PID", "HORA_TEST_WORKER", "HORA_DEBUG",
 })
+
+
+# HOROVOD_* variables Horovod defines that are not hora knobs: identity and rendezvous that
+# horovodrun sets, and build, GPU-library and tuning settings hora has no use for. Accepted
+# silently; any other unknown HOROVOD_* name gets a warning (Horovod itself ignores typos).
+HOROVOD_NON_KNOB_VARS: frozenset[str] = frozenset({
+    "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+    "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_SECRET_KEY",
+    "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT", "HOROVOD_GLOO_GLOBAL_PREFIX",
+    "HOROVOD_GLOO_LOCAL_PREFIX", "HOROVOD_GLOO_CROSS_PREFIX", "HOROVOD_ELASTIC_TIMEOUT",
+    "HOROVOD_SPARK_START_TIMEOUT", "HOROVOD_GPU_OPERATIONS", "HOROVOD_CUDA_HOME",
+    "HOROVOD_NCCL_HOME", "HOROVOD_ROCM_HOME", "HOROVOD_CCL_CACHE", "HOROVOD_ADASUM_MPI_CHUNK_SIZE",
+    "HOROVOD_BATCH_D2D_MEMCOPIES", "HOROVOD_DISABLE_NVTX_RANGES", "HOROVOD_ENABLE_ASYNC_COMPLETION",
+    "HOROVOD_ENABLE_XLA_OPS", "HOROVOD_API_VERSION",
+})
+_HOROVOD_BUILD_PREFIXES = ("HOROVOD_WITH_", "HOROVOD_WITHOUT_", "HOROVOD_GPU_", "HOROVOD_BUILD_",
+                           "HOROVOD_NCCL_", "HOROVOD_CCL_")
+
+
+def unknown_horovod_vars(env: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """``HOROVOD_*`` names in ``env`` that neither hora nor Horovod defines (typos, most
+    likely), each with the closest known name (or None)."""
+    known = {k.alias for k in KNOBS if k.alias} | HOROVOD_NON_KNOB_VARS
+    return [(v, _suggest(v, known)) for v in sorted(env)
+            if v.startswith("HOROVOD_") and v not in known
+            and not v.startswith(_HOROVOD_BUILD_PREFIXES)]
 
 
 def parse_value(knob: Knob, raw: str, source: str) -> Any:
@@ -247,6 +278,7 @@ class Config:
     deadlock_time_seconds: float = 1.0
     heartbeat_timeout_seconds: float = 30.0
     start_timeout: float = 30.0
+    start_timeout_cap: float = 600.0
     timeline: str = ""
     timeline_mark_cycles: bool = False
     log_level: str = "warning"

@@ -12,7 +12,9 @@ Generated from `hora/config.py` by `python scripts/gen_config_docs.py`; do not e
 
 Every knob is read from its `HORA_*` variable first, then from Horovod's `HOROVOD_*` alias.
 `hora run` flags set the `HORA_*` variable for every rank. An unknown `HORA_*` variable or a
-malformed value is an error that names the knob.
+malformed value is an error that names the knob. An unknown `HOROVOD_*` variable (other than
+the identity, build and GPU-library variables Horovod defines) gets a warning from rank 0 with
+the closest known name: Horovod ignores unknown names, so hora does not refuse them.
 
 """
 

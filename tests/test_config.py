@@ -55,3 +55,15 @@ def test_docs_table_is_current() -> None:
     spec.loader.exec_module(gen)
     assert (ROOT / "docs" / "config.md").read_text() == gen.render(), (
         "docs/config.md is stale: run python scripts/gen_config_docs.py")
+
+
+def test_unknown_horovod_names_are_found_with_the_closest_known_one() -> None:
+    from hora.config import unknown_horovod_vars
+
+    env = {"HOROVOD_FUSION_THRESHOLDD": "1", "HOROVOD_CYCLE_TIME": "1", "HOROVOD_RANK": "0",
+           "HOROVOD_WITH_PYTORCH": "1", "HOROVOD_GPU_ALLREDUCE": "NCCL", "HOROVOD_QXQXQXQXQX": "1",
+           "HORA_FUSION_THRESHOLD": "1", "PATH": "/bin"}
+    assert unknown_horovod_vars(env) == [("HOROVOD_FUSION_THRESHOLDD", "HOROVOD_FUSION_THRESHOLD"),
+                                         ("HOROVOD_QXQXQXQXQX", None)]
+    # Still only a warning: the config loads (Horovod tolerates unknown names).
+    assert load(env).cycle_time == 1.0

@@ -110,6 +110,8 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
 
         info = detect()
         hlog.set_rank(info.rank, info.size)
+        if info.rank == 0:
+            _warn_unknown_horovod_vars()
         _generation += 1
         closers: list[Any] = []
         transport: Transport
@@ -130,7 +132,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
                     info.rank, info.size, store, scope=f"hora.init.{_generation}",
                     secret=info.secret, bind_host=_bind_host(info.store_host or "", config),
                     hostname=info.hostname, timeout=config.timeout_seconds,
-                    connect_timeout=config.start_timeout)
+                    connect_timeout=config.start_timeout, connect_cap=config.start_timeout_cap)
             except BaseException:
                 for c in closers:
                     c.close()
@@ -170,6 +172,21 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
             _atexit_registered = True
         log.debug("initialized: rank %d of %d on %s (launcher %s)", info.rank, info.size,
                   info.hostname, info.launcher)
+
+
+_warned_vars: set[str] = set()
+
+
+def _warn_unknown_horovod_vars() -> None:
+    """Rank 0, once per name: an unknown ``HOROVOD_*`` variable is most likely a typo (unknown
+    ``HORA_*`` names are refused by the config loader; Horovod's names only warn, as Horovod
+    tolerates them)."""
+    for name, close in config_mod.unknown_horovod_vars(os.environ):
+        if name not in _warned_vars:
+            _warned_vars.add(name)
+            log.warning("unknown Horovod setting %s in the environment is ignored%s; see `hora "
+                        "run --help` or docs/config.md for the settings hora reads", name,
+                        f" (did you mean {close}?)" if close else "")
 
 
 def shutdown() -> None:

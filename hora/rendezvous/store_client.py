@@ -191,6 +191,45 @@ class KVStoreClient:
                 ) from None
         return values
 
+    def wait_arrivals(self, scope: str, keys: Iterable[str], idle: float, deadline: float,
+                      check_every: float = 1.0) -> dict[str, bytes]:
+        """Wait until every key of ``keys`` exists in ``scope``, for as long as keys keep
+        arriving: fail when none arrived for ``idle`` seconds, or at ``deadline`` (on the
+        :func:`time.monotonic` clock) whatever happens. A slow but steady start (hundreds of
+        ranks on a few cores, a slow shared file system) succeeds; a stuck one fails.
+
+        Raises:
+            RendezvousTimeoutError: keys still missing; the message lists them and says which
+                limit passed.
+            RendezvousError: the store is unreachable.
+        """
+        wanted = list(keys)
+        values: dict[str, bytes] = {}
+        idle_until = time.monotonic() + idle
+        missing = len(wanted)
+        for key in wanted:
+            while True:
+                now = time.monotonic()
+                left = min(idle_until, deadline) - now
+                if left <= 0:
+                    absent = self.missing(scope, wanted)
+                    shown = ", ".join(absent[:32]) + (" ..." if len(absent) > 32 else "")
+                    why = (f"none arrived for {idle:.1f} s" if idle_until <= deadline else
+                           "start-up reached its overall limit")
+                    raise RendezvousTimeoutError(
+                        f"{len(absent)} of {len(wanted)} keys in scope {scope!r} did not appear "
+                        f"in the rendezvous store at {self.address} ({why}); missing: {shown}. "
+                        f"{_TIMEOUT_HINT}")
+                try:
+                    values[key] = self.get(scope, key, min(left, check_every))
+                    break
+                except RendezvousTimeoutError:
+                    absent_now = len(self.missing(scope, wanted))
+                    if absent_now < missing:  # progress: others arrived meanwhile
+                        missing = absent_now
+                        idle_until = time.monotonic() + idle
+        return values
+
     def missing(self, scope: str, keys: Iterable[str]) -> list[str]:
         """Those of ``keys`` that do not exist in ``scope`` right now (no waiting).
 

@@ -34,7 +34,8 @@ _GROUPS: tuple[tuple[str, str], ...] = (
 
 # Group of each knob's generated flag; knobs not listed go to "tunables".
 _KNOB_GROUP: dict[str, str] = {
-    "start_timeout": "general", "autotune": "autotune", "autotune_log": "autotune",
+    "start_timeout": "general", "start_timeout_cap": "general",
+    "autotune": "autotune", "autotune_log": "autotune",
     "autotune_warmup_samples": "autotune", "autotune_steps_per_sample": "autotune",
     "autotune_bayes_opt_max_samples": "autotune", "autotune_gaussian_process_noise": "autotune",
     "heartbeat_timeout_seconds": "stall",

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from hora._util.log import get_logger
 from hora._util.typing_compat import override
 from hora.collectives.comm import Buffer, Comm
+from hora.config import KNOBS_BY_NAME
 from hora.errors import HoraInternalError, HoraTimeoutError, PeerLostError, TransportError
 from hora.transports.base import Transport
 from hora.transports.tcp_control import ControlPlane, describe_peer
@@ -91,7 +92,8 @@ class TcpTransport(Transport):
     @classmethod
     def create(cls, rank: int, size: int, store: KVStoreClient | None, scope: str, secret: bytes,
                bind_host: str, hostname: str, timeout: float, *,
-               connect_timeout: float | None = None) -> TcpTransport:
+               connect_timeout: float | None = None,
+               connect_cap: float | None = None) -> TcpTransport:
         """Rendezvous through ``store`` under ``scope`` and connect to every other rank.
 
         Every rank of the job calls this with the same ``scope``, ``size`` and ``secret``.
@@ -105,7 +107,10 @@ class TcpTransport(Transport):
             bind_host: local address to listen on (and to publish).
             hostname: this process's host identity, published for topology and messages.
             timeout: inactivity deadline of every data and control wait, in seconds.
-            connect_timeout: seconds allowed for the whole set-up (default ``timeout``).
+            connect_timeout: seconds the set-up may go without progress (no new rank
+                published its address; default ``timeout``).
+            connect_cap: seconds allowed for the whole set-up (default: the
+                ``start_timeout_cap`` knob's default), at least ``connect_timeout``.
 
         Raises:
             RendezvousTimeoutError: some ranks never published their address (lists them).
@@ -117,10 +122,13 @@ class TcpTransport(Transport):
         """
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not in 0..{size - 1}")
-        deadline = time.monotonic() + (timeout if connect_timeout is None else connect_timeout)
+        idle = timeout if connect_timeout is None else connect_timeout
+        cap = KNOBS_BY_NAME["start_timeout_cap"].default if connect_cap is None else connect_cap
+        deadline = time.monotonic() + max(idle, cap)
         if size == 1:
             return cls(rank, size, [hostname], {}, {}, timeout)
-        mesh = connect_mesh(rank, size, store, scope, secret, bind_host, hostname, deadline)
+        mesh = connect_mesh(rank, size, store, scope, secret, bind_host, hostname, idle,
+                            deadline)
         log.debug("tcp mesh of %d ranks ready (scope %s)", size, scope)
         return cls(rank, size, mesh.hostnames, mesh.data, mesh.control, timeout, mesh.wake_pair)
 

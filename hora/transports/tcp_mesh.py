@@ -68,11 +68,13 @@ class Mesh(NamedTuple):
 
 
 def connect_mesh(rank: int, size: int, store: KVStoreClient | None, scope: str, secret: bytes,
-                 bind_host: str, hostname: str, deadline: float) -> Mesh:
-    """Rendezvous through ``store`` under ``scope`` and connect to every other rank by ``deadline``.
+                 bind_host: str, hostname: str, idle: float, deadline: float) -> Mesh:
+    """Rendezvous through ``store`` under ``scope`` and connect to every other rank.
 
-    Arguments are those of :meth:`~hora.transports.tcp.TcpTransport.create` (``size > 1``);
-    ``deadline`` is on the :func:`time.monotonic` clock.
+    Arguments are those of :meth:`~hora.transports.tcp.TcpTransport.create` (``size > 1``).
+    Waiting for the other ranks to publish their address fails when none arrived for ``idle``
+    seconds (so a slow but steady start succeeds); connecting then has ``idle`` seconds; both
+    end at ``deadline`` (on the :func:`time.monotonic` clock) at the latest.
 
     Raises:
         RendezvousTimeoutError: some ranks never published their address (lists them).
@@ -98,7 +100,8 @@ def connect_mesh(rank: int, size: int, store: KVStoreClient | None, scope: str, 
         advertised = bind_host if bind_host not in ("", "0.0.0.0", "::") else hostname
         entry = {"host": advertised, "port": port, "hostname": hostname, "size": size}
         store.set(scope, str(rank), json.dumps(entry).encode())
-        entries = _gather_entries(store, scope, rank, size, deadline)
+        entries = _gather_entries(store, scope, rank, size, idle, deadline)
+        deadline = min(deadline, time.monotonic() + idle)
         setup = _MeshSetup(rank, size, entries, secret, scope, deadline, listener, wake_pair)
         data, control = setup.run()
     except BaseException:
@@ -111,17 +114,22 @@ def connect_mesh(rank: int, size: int, store: KVStoreClient | None, scope: str, 
     return Mesh(hostnames, data, control, wake_pair)
 
 
-def _gather_entries(store: KVStoreClient, scope: str, rank: int, size: int,
+def _gather_entries(store: KVStoreClient, scope: str, rank: int, size: int, idle: float,
                     deadline: float) -> dict[int, dict[str, Any]]:
     keys = [str(r) for r in range(size)]
     try:
-        raw = store.wait(scope, keys, max(0.0, deadline - time.monotonic()))
+        raw = store.wait_arrivals(scope, keys, idle, deadline)
     except RendezvousTimeoutError:
         missing = [int(k) for k in store.missing(scope, keys)]
+        shown = str(missing[:32])[:-1] + (", ...]" if len(missing) > 32 else "]")
+        why = (f"no rank arrived for {idle:g} s" if time.monotonic() < deadline
+               else "start-up reached its overall limit")
         raise RendezvousTimeoutError(
-            f"rank {rank}: ranks {missing} of {size} never published their address in scope "
-            f"{scope!r}: they never started or never reached hora.init() (or crashed before). "
-            "HINT: check their output; raise HORA_START_TIMEOUT if start-up is slow."
+            f"rank {rank}: {len(missing)} of {size} ranks never published their address in "
+            f"scope {scope!r} ({why}): ranks {shown}. They never started or never reached "
+            "hora.init() (or crashed before). HINT: check their output; raise "
+            "HORA_START_TIMEOUT (seconds without a new rank) or HORA_START_TIMEOUT_CAP (the "
+            "whole start-up) if start-up is this slow."
         ) from None
     entries: dict[int, dict[str, Any]] = {}
     for r in range(size):

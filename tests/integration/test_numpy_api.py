@@ -213,3 +213,11 @@ def test_timeline_records_phases_and_names_the_straggler(tmp_path: Path) -> None
                              capture_output=True, text=True, timeout=60)
     assert summary.returncode == 0, summary.stderr
     assert "allreduce.grad0" in summary.stdout and "1" in summary.stdout
+
+
+def test_a_horovod_knob_typo_is_warned_once_by_rank_0() -> None:
+    job = run_job(2, "simple", env={"HOROVOD_FUSION_THRESHOLDD": "1"})
+    assert job.returncode == 0, job.stdout + job.stderr
+    warnings = [line for line in job.stderr.splitlines() if "HOROVOD_FUSION_THRESHOLDD" in line]
+    assert len(warnings) == 1, job.stderr
+    assert "[0]" in warnings[0] and "did you mean HOROVOD_FUSION_THRESHOLD?" in warnings[0]

@@ -356,3 +356,56 @@ def test_live_server_survives_random_frames(server: KVStoreServer, client: KVSto
         sock.close()
     client.set("fuzz", "alive", b"1")
     assert client.get("fuzz", "alive", timeout=1.0) == b"1"
+
+
+def test_wait_arrivals_waits_while_keys_keep_arriving(client: KVStoreClient,
+                                                      server: KVStoreServer) -> None:
+    """A slow but steady start: 8 keys, one every 0.15 s (1.2 s in all), with 0.5 s allowed
+    without progress. A fixed 0.5 s deadline would fail; the progress-aware one succeeds."""
+    keys = [str(i) for i in range(8)]
+
+    def publish() -> None:
+        with KVStoreClient("127.0.0.1", server.port, SECRET, 5.0) as other:
+            for k in reversed(keys):  # the waiter looks at key 0 first: it arrives last
+                time.sleep(0.15)
+                other.set("steady", k, k.encode())
+
+    t = threading.Thread(target=publish, daemon=True)
+    t.start()
+    start = time.monotonic()
+    got = client.wait_arrivals("steady", keys, idle=0.5, deadline=start + 20, check_every=0.1)
+    t.join(5)
+    assert got == {k: k.encode() for k in keys}
+    assert time.monotonic() - start > 0.5  # (longer than the idle limit: progress counted)
+
+
+def test_wait_arrivals_fails_when_nothing_arrives_naming_the_missing_keys(
+        client: KVStoreClient) -> None:
+    client.set("stuck", "0", b"x")
+    client.set("stuck", "2", b"x")
+    with pytest.raises(RendezvousTimeoutError,
+                       match=r"2 of 4 keys .* \(none arrived for 0\.4 s\); missing: 1, 3"):
+        client.wait_arrivals("stuck", ["0", "1", "2", "3"], idle=0.4,
+                             deadline=time.monotonic() + 20, check_every=0.1)
+
+
+def test_wait_arrivals_stops_at_its_overall_deadline_even_with_progress(
+        client: KVStoreClient, server: KVStoreServer) -> None:
+    stop = threading.Event()
+
+    def trickle() -> None:
+        with KVStoreClient("127.0.0.1", server.port, SECRET, 5.0) as other:
+            for i in range(1, 100):
+                if stop.wait(0.1):
+                    return
+                other.set("cap", str(i), b"x")
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(RendezvousTimeoutError, match="overall limit"):
+            client.wait_arrivals("cap", ["0"] + [str(i) for i in range(1, 100)], idle=0.5,
+                                 deadline=time.monotonic() + 1.0, check_every=0.1)
+    finally:
+        stop.set()
+        t.join(5)

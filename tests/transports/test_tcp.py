@@ -73,10 +73,31 @@ def test_hostnames_come_from_the_store(server: KVStoreServer, cleanup: list[Any]
 
 def test_missing_ranks_are_listed(server: KVStoreServer, cleanup: list[Any]) -> None:
     start = time.monotonic()
-    with pytest.raises(RendezvousTimeoutError, match=r"ranks \[1, 2, 3\] of 4 never published"
-                       r".*never started or never reached hora.init\(\)"):
+    with pytest.raises(RendezvousTimeoutError, match=r"3 of 4 ranks never published .*no rank "
+                       r"arrived for 0.5 s\): ranks \[1, 2, 3\]\. They never started or never "
+                       r"reached hora.init\(\).*HORA_START_TIMEOUT"):
         _create(server, cleanup, 0, 4, connect_timeout=0.5)
     assert time.monotonic() - start < 5.0
+
+
+def test_a_slow_but_steady_start_succeeds(server: KVStoreServer, cleanup: list[Any]) -> None:
+    """Ranks arrive 0.4 s apart (1.2 s from the first to the last) with 0.9 s allowed without
+    a new rank: the start succeeds (a fixed 0.9 s deadline would fail the first rank)."""
+    errors: list[BaseException] = []
+
+    def late(rank: int) -> None:
+        time.sleep(0.4 * rank)
+        try:
+            _create(server, cleanup, rank, 4, scope="steady", connect_timeout=0.9)
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=late, args=(r,)) for r in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(20.0)
+    assert errors == []
 
 
 def test_wrong_secret_is_refused(server: KVStoreServer, cleanup: list[Any]) -> None:
