@@ -67,12 +67,12 @@ class CaseJob:
                         f"\n--- stderr tail\n{self.stderr[-6000:]}")
 
 
-def run_cases(group: str, np_: int = NP, timeout: float = 120.0) -> CaseJob:
+def run_cases(group: str, np_: int = NP, timeout: float = 240.0) -> CaseJob:
     """`hora run -np N python tf_worker.py GROUP`, its process group killed on timeout."""
     return run_command(["-np", str(np_), WORKER, group], np_=np_, timeout=timeout)
 
 
-def run_command(args: list[str], np_: int = NP, timeout: float = 120.0,
+def run_command(args: list[str], np_: int = NP, timeout: float = 240.0,
                 cwd: Path = HERE) -> CaseJob:
     """`hora run <args>` (the script runs under this Python), its process group killed on
     timeout."""
