@@ -12,7 +12,7 @@ dtype tables) wrapped by :func:`host_call`:
   inter-op threads), and static shapes are set where Horovod's ops give them.
 
 The gradient rules (:mod:`hora.core.gradients`) run the same way, inside ``host_call``, over the
-bridge's numpy :class:`~hora.core.gradients.TensorMath`.
+core's numpy bridge (:class:`hora.core.host_bridge.HostBridge`, shared with ``hora.jax``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from hora.core import spellings as _sp
+from hora.core.host_bridge import HostBridge
 
 # Horovod's TensorFlow kernels are registered for these dtypes; hora adds bfloat16.
 REDUCE_DTYPES = frozenset({tf.uint8, tf.int8, tf.int32, tf.int64, tf.float16, tf.bfloat16,
@@ -51,50 +52,9 @@ def check_dtype(tensor: Any, table: str) -> tf.Tensor:
     return t
 
 
-class _HostBridge:
-    """The core's side of this adapter: numpy arrays (already checked against TensorFlow's
-    tables by :func:`check_dtype`) pass straight through; the gradient rules' tensor math."""
-
-    passthrough = True
-
-    def host(self, tensor: Any, table: str) -> _sp.Host:
-        array = tensor if isinstance(tensor, np.ndarray) else np.asarray(tensor)
-        return _sp.Host(array, "cpu", tensor)
-
-    def hosts(self, tensors: Sequence[Any], table: str) -> tuple[list[_sp.Host], str]:
-        return [self.host(t, table) for t in tensors], "cpu"
-
-    def result(self, like: _sp.Host, out: Any) -> Any:
-        return out
-
-    def written(self, host: _sp.Host, out: Any) -> Any:
-        return out
-
-    def splits(self, splits: Any) -> list[int] | None:
-        return None if splits is None else [int(s) for s in np.asarray(splits).reshape(-1)]
-
-    def received_splits(self, splits: Any, received: np.ndarray) -> Any:
-        return received.astype(np.int32)
-
-    # the tensor math of the gradient rules (hora.core.gradients)
-    def rows(self, tensor: np.ndarray, start: int, count: int) -> np.ndarray:
-        return tensor[start:start + count]
-
-    def zeros_like(self, tensor: np.ndarray) -> np.ndarray:
-        return np.zeros_like(tensor)
-
-    def pad_rows(self, tensor: np.ndarray, rows: int) -> np.ndarray:
-        if tensor.shape[0] >= rows:
-            return tensor
-        pad = np.zeros((rows - tensor.shape[0],) + tensor.shape[1:], tensor.dtype)
-        return np.concatenate([tensor, pad])
-
-    def scaled(self, tensor: np.ndarray, factor: float) -> np.ndarray:
-        return (tensor * factor).astype(tensor.dtype, copy=False)
-
-
-HOST = _HostBridge()
-"""The bridge every collective of :mod:`hora.tensorflow` runs through (on host arrays)."""
+HOST = HostBridge()
+"""The bridge every collective of :mod:`hora.tensorflow` runs through (on host arrays, whose
+dtypes :func:`check_dtype` checked against TensorFlow's tables before they left TensorFlow)."""
 
 
 def _host_array(tensor: tf.Tensor) -> np.ndarray:
