@@ -192,11 +192,14 @@ class KVStoreClient:
         return values
 
     def wait_arrivals(self, scope: str, keys: Iterable[str], idle: float, deadline: float,
-                      check_every: float = 1.0) -> dict[str, bytes]:
+                      *, counter: str, check_every: float = 1.0) -> dict[str, bytes]:
         """Wait until every key of ``keys`` exists in ``scope``, for as long as keys keep
         arriving: fail when none arrived for ``idle`` seconds, or at ``deadline`` (on the
         :func:`time.monotonic` clock) whatever happens. A slow but steady start (hundreds of
         ranks on a few cores, a slow shared file system) succeeds; a stuck one fails.
+
+        Progress is read from the counter ``counter`` in ``scope`` (one request, however many
+        keys): whoever sets a key adds 1 to it (:meth:`add`).
 
         Raises:
             RendezvousTimeoutError: keys still missing; the message lists them and says which
@@ -206,7 +209,7 @@ class KVStoreClient:
         wanted = list(keys)
         values: dict[str, bytes] = {}
         idle_until = time.monotonic() + idle
-        missing = len(wanted)
+        arrived = -1
         for key in wanted:
             while True:
                 now = time.monotonic()
@@ -222,11 +225,12 @@ class KVStoreClient:
                         f"{_TIMEOUT_HINT}")
                 try:
                     values[key] = self.get(scope, key, min(left, check_every))
+                    idle_until = time.monotonic() + idle  # found one more: progress
                     break
                 except RendezvousTimeoutError:
-                    absent_now = len(self.missing(scope, wanted))
-                    if absent_now < missing:  # progress: others arrived meanwhile
-                        missing = absent_now
+                    now_arrived = self.add(scope, counter, 0)
+                    if now_arrived > arrived:  # progress: others arrived meanwhile
+                        arrived = now_arrived
                         idle_until = time.monotonic() + idle
         return values
 

@@ -16,10 +16,14 @@ group from (and :mod:`hora.collectives.shm` runs collectives on):
 * **counters**: 32-bit words that only grow (and wrap): :func:`reached` is the one wrap-around
   compare, :func:`wait_word` the one spin-then-futex wait every shared-memory wait uses (the
   fabric's signals, the fast lane's doorbells), :func:`ring` advances and wakes;
-* **cleanup**: an owner unlinks its segments on :meth:`Segment.close` and, as a last resort, at
-  interpreter exit. Ranks killed with SIGKILL cannot; the launcher (``hora run``) removes
-  ``/dev/shm/hora-<job_id>-*`` when the job ends (:func:`remove_job_segments` is the same rule,
-  for other launchers and tests).
+* **cleanup**: a segment's name is only needed until every peer has mapped it: the fabric
+  unlinks its names as soon as the group is created (:meth:`Segment.unlink`), so even a rank
+  killed with SIGKILL leaves nothing behind (the kernel frees the memory with the last
+  mapping). Until then, an owner unlinks on :meth:`Segment.close` and, as a last resort, at
+  interpreter exit. For a rank killed in that window (or segments of older versions): the
+  survivors, the next job's sweep and ``hora clean`` (:mod:`hora._util.shm_owners`), and the
+  launcher (``hora run``), which removes ``/dev/shm/hora-<job_id>-*`` when the job ends
+  (:func:`remove_job_segments`).
 """
 
 from __future__ import annotations
@@ -254,18 +258,23 @@ class Segment:
             except BufferError:
                 pass  # a caller still holds a view (e.g. staging): unmapped when it is freed
 
+    def unlink(self) -> None:
+        """Owner: remove the name (every peer holds a descriptor already; the memory lives on
+        until the last mapping goes, and then nothing is left in ``/dev/shm``). Idempotent."""
+        if self.owner and self.path in _OWNED:
+            _OWNED.pop(self.path, None)
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
     def close(self) -> None:
         """Unmap, close the descriptor and, for the owner, unlink. Idempotent."""
         self._release()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        if self.owner:
-            _OWNED.pop(self.path, None)
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        self.unlink()
 
 
 def available_bytes(shm_dir: str = SHM_DIR) -> int:

@@ -6,7 +6,9 @@ module's ``Fabric`` protocol). Every rank of the group owns three segments
 collectives use alternately. :meth:`ShmFabric.create` makes this rank's, maps every peer's and
 checks (over a few bytes of the group's :class:`~hora.collectives.comm.Comm`) that all ranks
 succeeded: ranks that do not share ``/dev/shm`` (other hosts) all fail with a
-:class:`~hora.errors.TransportError`. After that the comm is not used.
+:class:`~hora.errors.TransportError`. After that the comm is not used, and each rank unlinks
+its segments' names (every peer holds a descriptor): nothing of the group stays in
+``/dev/shm``, even if every rank is killed.
 
 Board: the rest of each header (:meth:`ShmFabric.board`) is plain shared words, zero at first,
 readable and writable by every rank of the group, for protocols built on top.
@@ -178,6 +180,11 @@ class ShmFabric:
                 error = exc
             _agree(comm, error, "map its peers' shared memory segments (HINT: shared memory "
                    f"only works between ranks on one host that share {SHM_DIR})")
+            # Every peer holds a descriptor of every segment now: the names are not needed any
+            # more. Without them a rank killed with SIGKILL (or a whole job) leaves nothing in
+            # /dev/shm: the kernel frees the memory when its last mapping goes.
+            for seg in own:
+                seg.unlink()
         except BaseException:
             for seg in own + [s for segs in peers.values() for s in segs]:
                 seg.close()

@@ -73,8 +73,9 @@ def connect_mesh(rank: int, size: int, store: KVStoreClient | None, scope: str, 
 
     Arguments are those of :meth:`~hora.transports.tcp.TcpTransport.create` (``size > 1``).
     Waiting for the other ranks to publish their address fails when none arrived for ``idle``
-    seconds (so a slow but steady start succeeds); connecting then has ``idle`` seconds; both
-    end at ``deadline`` (on the :func:`time.monotonic` clock) at the latest.
+    seconds (so a slow but steady start succeeds), and so does connecting (no new connection
+    for ``idle`` seconds); both end at ``deadline`` (on the :func:`time.monotonic` clock) at
+    the latest.
 
     Raises:
         RendezvousTimeoutError: some ranks never published their address (lists them).
@@ -100,9 +101,10 @@ def connect_mesh(rank: int, size: int, store: KVStoreClient | None, scope: str, 
         advertised = bind_host if bind_host not in ("", "0.0.0.0", "::") else hostname
         entry = {"host": advertised, "port": port, "hostname": hostname, "size": size}
         store.set(scope, str(rank), json.dumps(entry).encode())
+        store.add(scope, _ARRIVED, 1)
         entries = _gather_entries(store, scope, rank, size, idle, deadline)
-        deadline = min(deadline, time.monotonic() + idle)
-        setup = _MeshSetup(rank, size, entries, secret, scope, deadline, listener, wake_pair)
+        setup = _MeshSetup(rank, size, entries, secret, scope, idle, deadline, listener,
+                           wake_pair)
         data, control = setup.run()
     except BaseException:
         listener.close()
@@ -114,11 +116,15 @@ def connect_mesh(rank: int, size: int, store: KVStoreClient | None, scope: str, 
     return Mesh(hostnames, data, control, wake_pair)
 
 
+_ARRIVED = "arrived"
+"""Counter of ranks that published their address (the waiters' measure of progress)."""
+
+
 def _gather_entries(store: KVStoreClient, scope: str, rank: int, size: int, idle: float,
                     deadline: float) -> dict[int, dict[str, Any]]:
     keys = [str(r) for r in range(size)]
     try:
-        raw = store.wait_arrivals(scope, keys, idle, deadline)
+        raw = store.wait_arrivals(scope, keys, idle, deadline, counter=_ARRIVED)
     except RendezvousTimeoutError:
         missing = [int(k) for k in store.missing(scope, keys)]
         shown = str(missing[:32])[:-1] + (", ...]" if len(missing) > 32 else "]")
@@ -148,13 +154,14 @@ def _gather_entries(store: KVStoreClient, scope: str, rank: int, size: int, idle
 
 
 class _MeshSetup:
-    """Accept and make every connection of one rank, in parallel, before a deadline."""
+    """Accept and make every connection of one rank, in parallel, while connections keep
+    being made (none for ``idle`` seconds fails) and before ``deadline``."""
 
     def __init__(self, rank: int, size: int, entries: dict[int, dict[str, Any]], secret: bytes,
-                 scope: str, deadline: float, listener: socket.socket,
+                 scope: str, idle: float, deadline: float, listener: socket.socket,
                  wake_pair: tuple[socket.socket, socket.socket]) -> None:
         self.rank, self.size, self.entries = rank, size, entries
-        self.secret, self.deadline, self.listener = secret, deadline, listener
+        self.secret, self.idle, self.deadline, self.listener = secret, idle, deadline, listener
         self.context = b"hora-tcp\0" + scope.encode()
         self.wake_r, self.wake_w = wake_pair
         self.incoming = {(p, DATA) for p in range(rank + 1, size)}
@@ -193,17 +200,22 @@ class _MeshSetup:
         poller = select.poll()
         poller.register(self.listener, _POLLIN)
         poller.register(self.wake_r, _POLLIN)
+        made, idle_until = 0, time.monotonic() + self.idle
         try:
             while True:
                 with self.lock:
                     if wanted <= self.conns.keys():
                         break
+                    now_made = len(self.conns)
                 if not self.errors.empty():
                     raise self.errors.get()
-                left = self.deadline - time.monotonic()
+                now = time.monotonic()
+                if now_made > made:  # progress: more connections since the last look
+                    made, idle_until = now_made, now + self.idle
+                left = min(idle_until, self.deadline) - now
                 if left <= 0:
                     raise self._timeout(wanted)
-                for fd, _ in poller.poll(left * 1000):
+                for fd, _ in poller.poll(min(left, 1.0) * 1000):
                     if fd == self.wake_r.fileno():
                         self.wake_r.recv(4096)
                     else:
@@ -243,6 +255,13 @@ class _MeshSetup:
             "HORA_GLOO_IFACE), or be slow; see their output. " + TIMEOUT_HINT
         )
 
+    def _handshake_deadline(self) -> float:
+        """One connection's handshake may take until the deadline: on a crowded host (hundreds
+        of ranks on a few cores) one handshake can wait long for its turn, while the run loop
+        sees connections being made; a stuck mesh fails there, after ``idle`` seconds without
+        a new connection."""
+        return self.deadline
+
     def _accept(self) -> None:
         try:
             sock, addr = self.listener.accept()
@@ -253,11 +272,12 @@ class _MeshSetup:
 
     def _handshake_in(self, sock: socket.socket, addr: Any) -> None:
         where = f"{addr[0]}:{addr[1]}"
+        deadline = self._handshake_deadline()
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            auth.server_handshake(sock, self.secret, self.deadline, self.context)
+            auth.server_handshake(sock, self.secret, deadline, self.context)
             magic, peer, size, channel = _HELLO.unpack(
-                recv_bytes(sock, _HELLO.size, self.deadline))
+                recv_bytes(sock, _HELLO.size, deadline))
             key = (peer, channel)
             problem = ""
             if magic != _HELLO_MAGIC:
@@ -269,9 +289,9 @@ class _MeshSetup:
             elif key in self.conns:
                 problem = "duplicate connection"
             if problem:
-                send_all(sock, _REJECT, self.deadline)
+                send_all(sock, _REJECT, deadline)
                 raise TransportError(f"rank {peer} from {where}: {problem}")
-            send_all(sock, _ACCEPT, self.deadline)
+            send_all(sock, _ACCEPT, deadline)
         except (AuthenticationError, TransportError) as exc:
             log.warning("rank %d refused a connection during TCP set-up: %s", self.rank, exc)
             sock.close()
@@ -300,18 +320,18 @@ class _MeshSetup:
                 if self.done:
                     return
             try:
-                sock = socket.create_connection(address, timeout=left)
+                sock = socket.create_connection(address, timeout=min(left, self.idle))
                 break
             except OSError as exc:
                 last = exc
                 time.sleep(min(delay, max(0.0, self.deadline - time.monotonic())))
                 delay = min(2 * delay, 0.25)
+        deadline = self._handshake_deadline()
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            auth.client_handshake(sock, self.secret, self.deadline, self.context)
-            send_all(sock, _HELLO.pack(_HELLO_MAGIC, self.rank, self.size, channel),
-                     self.deadline)
-            verdict = recv_bytes(sock, 1, self.deadline)
+            auth.client_handshake(sock, self.secret, deadline, self.context)
+            send_all(sock, _HELLO.pack(_HELLO_MAGIC, self.rank, self.size, channel), deadline)
+            verdict = recv_bytes(sock, 1, deadline)
             if verdict != _ACCEPT:
                 raise TransportError(
                     f"{self.describe(peer)} refused this rank's {_CHANNEL_NAMES[channel]} "

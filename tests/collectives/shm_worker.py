@@ -109,11 +109,10 @@ def sigkill() -> None:
 
 
 def abandon() -> None:
-    """Every rank dies by SIGKILL holding its segments: only the launcher can remove them."""
+    """Every rank dies by SIGKILL holding its segments (mapped, their names already gone)."""
     group = _group()
     group.allreduce(np.ones(1 << 20, np.float32), ReduceOp.Sum)  # grows the segments
     for path in group.fabric.paths:  # type: ignore[attr-defined]
-        assert os.path.exists(path)
         print(f"SEGMENT {path}", flush=True)
     group.barrier()
     os.kill(os.getpid(), signal.SIGKILL)

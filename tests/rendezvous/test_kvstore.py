@@ -369,11 +369,13 @@ def test_wait_arrivals_waits_while_keys_keep_arriving(client: KVStoreClient,
             for k in reversed(keys):  # the waiter looks at key 0 first: it arrives last
                 time.sleep(0.15)
                 other.set("steady", k, k.encode())
+                other.add("steady", "n", 1)
 
     t = threading.Thread(target=publish, daemon=True)
     t.start()
     start = time.monotonic()
-    got = client.wait_arrivals("steady", keys, idle=0.5, deadline=start + 20, check_every=0.1)
+    got = client.wait_arrivals("steady", keys, idle=0.5, deadline=start + 20, counter="n",
+                               check_every=0.1)
     t.join(5)
     assert got == {k: k.encode() for k in keys}
     assert time.monotonic() - start > 0.5  # (longer than the idle limit: progress counted)
@@ -386,7 +388,7 @@ def test_wait_arrivals_fails_when_nothing_arrives_naming_the_missing_keys(
     with pytest.raises(RendezvousTimeoutError,
                        match=r"2 of 4 keys .* \(none arrived for 0\.4 s\); missing: 1, 3"):
         client.wait_arrivals("stuck", ["0", "1", "2", "3"], idle=0.4,
-                             deadline=time.monotonic() + 20, check_every=0.1)
+                             deadline=time.monotonic() + 20, counter="n", check_every=0.1)
 
 
 def test_wait_arrivals_stops_at_its_overall_deadline_even_with_progress(
@@ -399,13 +401,14 @@ def test_wait_arrivals_stops_at_its_overall_deadline_even_with_progress(
                 if stop.wait(0.1):
                     return
                 other.set("cap", str(i), b"x")
+                other.add("cap", "n", 1)
 
     t = threading.Thread(target=trickle, daemon=True)
     t.start()
     try:
         with pytest.raises(RendezvousTimeoutError, match="overall limit"):
             client.wait_arrivals("cap", ["0"] + [str(i) for i in range(1, 100)], idle=0.5,
-                                 deadline=time.monotonic() + 1.0, check_every=0.1)
+                                 deadline=time.monotonic() + 1.0, counter="n", check_every=0.1)
     finally:
         stop.set()
         t.join(5)

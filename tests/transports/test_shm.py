@@ -158,7 +158,9 @@ def test_fabric_creates_maps_and_removes_segments(job_id: str, n: int) -> None:
     def body(transport: Any) -> list[str]:
         fabric = ShmFabric.create(transport.comm(), job_id, timeout=5.0)
         paths = fabric.paths
-        assert all(os.path.exists(p) for p in paths) and len(paths) == 3
+        # Once the group exists its names are gone (peers hold descriptors): a SIGKILLed rank
+        # leaves nothing. Data still flows, through segments grown past their first size.
+        assert len(paths) == 3 and not any(os.path.exists(p) for p in paths)
         fabric.reserve(0, 100_000)[:4] = transport.rank + 1
         fabric.wait_all(fabric.post())
         for peer in range(n):

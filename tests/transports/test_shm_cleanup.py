@@ -1,6 +1,7 @@
 """Nothing left in /dev/shm: ranks SIGKILLed outside `hora run` (torchrun-style env, a real
-mpirun) have their segments removed by the survivors; a job whose every rank was SIGKILLed is
-swept by the next job on the host; `hora clean` removes what is left.
+mpirun, every rank at once) leave no segment (names are unlinked once a group exists); segments
+of processes that died before that (or of older versions) are swept by the next job on the host
+and by `hora clean`.
 
 Each job gets its own HORA_JOB_ID, so only its segments are looked at (other jobs may run)."""
 
@@ -93,25 +94,52 @@ def test_survivors_remove_a_sigkilled_peers_segments_under_real_mpirun() -> None
     assert job_segments(job) == []
 
 
-def test_next_job_sweeps_a_job_whose_every_rank_was_sigkilled() -> None:
-    dead_job = _job_id()
-    results = _spawn(_torchrun_envs(2, dead_job), "kill_all")
+def test_a_job_whose_every_rank_was_sigkilled_leaves_nothing() -> None:
+    job = _job_id()
+    results = _spawn(_torchrun_envs(2, job), "kill_all")
     assert all(code == -signal.SIGKILL for code, _ in results), results
-    left = job_segments(dead_job)
-    assert len(left) == 12, left  # 2 ranks x (route + lane group) x (h, d0, d1)
+    assert all("READY" in out for _, out in results), results
+    assert job_segments(job) == []
+
+
+def _dead_process_segments(job: str) -> list[str]:
+    """Segments as a rank SIGKILLed before it unlinked them leaves them (a header naming a
+    process that has exited, and its data segments), in the real /dev/shm."""
+    import struct
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    start = shm_owners.process_start_time(proc.pid) or 0
+    proc.kill()
+    proc.wait()
+    words = [0] * 16
+    words[shm_owners.W_MAGIC], words[shm_owners.W_PID] = shm_owners.MAGIC, proc.pid
+    words[shm_owners.W_START_LO], words[shm_owners.W_START_HI] = start & 0xFFFFFFFF, start >> 32
+    words[shm_owners.W_PIDNS] = shm_owners.pid_namespace()
+    paths = []
+    for kind, data in (("h", struct.pack("<16I", *words)), ("d0", b"\0" * 4096),
+                       ("d1", b"\0" * 4096)):
+        path = f"/dev/shm/hora-{job}-feedbeef-0-{kind}"
+        with open(path, "wb") as f:
+            f.write(data)
+        paths.append(path)
+    return sorted(paths)
+
+
+def test_next_job_sweeps_segments_of_dead_processes() -> None:
+    dead_job = _job_id()
+    left = _dead_process_segments(dead_job)
+    assert job_segments(dead_job) == left
     assert set(left) <= set(shm_owners.stale_segments())
     results = _spawn(_torchrun_envs(2, _job_id()), "simple")
     assert all(code == 0 for code, _ in results), results
     assert job_segments(dead_job) == []
 
 
-def test_hora_clean_removes_what_dead_jobs_left(capfd: pytest.CaptureFixture[str]) -> None:
+def test_hora_clean_removes_what_dead_processes_left(capfd: pytest.CaptureFixture[str]) -> None:
     from hora.runner.cli import main
 
     job = _job_id()
-    _spawn(_torchrun_envs(2, job), "kill_all")
-    left = job_segments(job)
-    assert left
+    left = _dead_process_segments(job)
     assert main(["clean", "--dry-run"]) == 0
     out = capfd.readouterr().out
     assert all(f"would remove {p}" in out for p in left), out
