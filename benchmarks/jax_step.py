@@ -18,8 +18,9 @@ function:
 
 Variants are interleaved in rounds (order rotated per round) and medians over rounds are
 reported; samples/s counts both ranks (the slower rank's time). The pytree part allreduces a
-dict of 100 float32 leaves and one array of the same total bytes, interleaved, and reports
-median microseconds per op and their ratio.
+dict of 100 float32 leaves and one array of the same total bytes, interleaved, eagerly and
+inside ``jax.jit`` (how a training step calls it), and reports median microseconds per op and
+their ratio.
 """
 
 from __future__ import annotations
@@ -141,14 +142,19 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901 - one benchmark, rea
     n = args.leaf_kib * 256
     tree = {f"leaf{i:03d}": jnp.full(n, float(rank), jnp.float32) for i in range(args.leaves)}
     flat = jnp.full(n * args.leaves, float(rank), jnp.float32)
-    times: dict[str, list[float]] = {"tree": [], "array": []}
+    jitted = {"jit tree": jax.jit(lambda t: hvd.allreduce(t, name="bench.jtree")),
+              "jit array": jax.jit(lambda a: hvd.allreduce(a, name="bench.jarray"))}
+    calls = {"tree": lambda x: hvd.allreduce(x, name="bench.tree"),
+             "array": lambda x: hvd.allreduce(x, name="bench.array"), **jitted}
+    times: dict[str, list[float]] = {k: [] for k in calls}
     for r in range(args.rounds * 4 + 2):
-        for what in (("tree", "array") if r % 2 == 0 else ("array", "tree")):
-            x = tree if what == "tree" else flat
+        order = list(calls) if r % 2 == 0 else list(reversed(calls))
+        for what in order:
+            x = tree if "tree" in what else flat
             hvd.barrier()
             start = time.perf_counter()
             for _ in range(10):
-                jax.block_until_ready(hvd.allreduce(x, name=f"bench.{what}"))
+                jax.block_until_ready(calls[what](x))
             t = (time.perf_counter() - start) / 10
             if r >= 2:
                 times[what].append(float(hvd.allreduce(jnp.float32(t), op=hvd.Max,
@@ -174,11 +180,13 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901 - one benchmark, rea
               f"{statistics.median(per_round):.2f}x (median of per-round ratios)")
         print(f"hora overhead vs nosync: {100 * (med['nosync'] / med['hora'] - 1):.1f}%; "
               f"psum: {100 * (med['nosync'] / med['psum'] - 1):.1f}%")
-        tt, ta = statistics.median(times["tree"]), statistics.median(times["array"])
         print(f"\nallreduce of a {args.leaves}-leaf pytree ({args.leaves} x {args.leaf_kib} KiB) "
               f"vs one array of the same {args.leaves * args.leaf_kib} KiB:")
-        print(f"   tree {1e6 * tt:9.1f} us/op | array {1e6 * ta:9.1f} us/op | "
-              f"tree/array {tt / ta:.2f}x")
+        for prefix in ("", "jit "):
+            tt = statistics.median(times[prefix + "tree"])
+            ta = statistics.median(times[prefix + "array"])
+            print(f"   {prefix or 'eager '}tree {1e6 * tt:9.1f} us/op | array {1e6 * ta:9.1f} "
+                  f"us/op | tree/array {tt / ta:.2f}x")
         print("replicas identical across ranks: " + ", ".join(
             f"{v} {len(set(vals)) == 1}" for v, vals in same.items()))
     jax.distributed.shutdown()

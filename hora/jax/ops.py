@@ -26,19 +26,22 @@ as the runtime error that carries its text.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from hora.collectives.ops import ReduceOp
 from hora.core import api as _api
 from hora.core import context as _context
 from hora.core import gradients as _grads
+from hora.core import packing as _packing
 from hora.core import spellings as _sp
 from hora.core.handle import Handle
 from hora.core.process_set import ProcessSet, global_process_set
-from hora.jax.bridge import HOST, apply, check_leaf, is_traced
+from hora.jax.bridge import HOST, apply, check_leaf, is_traced, to_host, to_jax
 from hora.jax.compression import Compression, Compressor
 from hora.jax.tree import Flat, diagnose, flatten
 
@@ -91,6 +94,9 @@ def _allreduce(kind: str, flat: Flat, leaves: list[Any], name: str | None, op: R
     gname = _grad_name(full, is_traced(leaves))
     args = (op, pre, post, process_set)
 
+    if grouped and len(leaves) > 1:
+        return _allreduce_packed(kind, flat, leaves, specs, full, op, pre, post, process_set)
+
     def forward(a: list[np.ndarray]) -> list[np.ndarray]:
         if grouped:
             out: list[np.ndarray] = _sp.run(HOST, _sp.GROUPED_ALLREDUCE, a, None, full, *args)
@@ -104,6 +110,47 @@ def _allreduce(kind: str, flat: Flat, leaves: list[Any], name: str | None, op: R
 
     return apply(kind, leaves, _guard(kind, flat, specs, grouped, process_set, forward), specs,
                  backward)
+
+
+def _allreduce_packed(kind: str, flat: Flat, leaves: list[Any], specs: list[Spec],
+                      full: str | None, op: ReduceOp, pre: float, post: float,
+                      process_set: ProcessSet) -> list[Any]:
+    """A tree's allreduce as one buffer per dtype (:mod:`hora.core.packing`): one op, not one
+    per leaf. Traced, the leaves are concatenated in XLA and cross to the host as one array per
+    dtype (concatenation and split are differentiable: the backward pass is the allreduce of
+    the packed cotangents); eagerly they are packed on the host (a JAX dispatch per leaf would
+    cost more than the copy). The op name carries the leaves' shapes, so trees that differ only
+    in shapes do not pair."""
+    layout = _packing.Layout.of([s.shape for s in specs], [np.dtype(s.dtype) for s in specs])
+    name = f"{full}.{_packing.layout_tag(layout)}"
+    guard = functools.partial(_guard, kind, flat, specs, True, process_set)
+
+    def run(a: list[np.ndarray]) -> list[np.ndarray]:
+        out: list[np.ndarray] = _sp.run(HOST, _sp.GROUPED_ALLREDUCE, a, None, name, op, pre,
+                                        post, process_set)
+        return out
+
+    if is_traced(leaves):
+        gname = _grad_name(name, True)
+        packed = [jnp.concatenate([jnp.ravel(leaves[i]) for i in idx]) if len(idx) > 1
+                  else jnp.ravel(leaves[idx[0]]) for idx in layout.groups]
+        packed_specs = [jax.ShapeDtypeStruct((n,), layout.dtypes[idx[0]])
+                        for n, idx in zip(layout.sizes, layout.groups)]
+
+        def backward(g: list[np.ndarray]) -> list[np.ndarray]:
+            return _grads.grouped_allreduce(HOST, g, op, pre, post, process_set, name=gname)
+
+        outs = apply(kind, packed, guard(run), packed_specs, backward)
+    else:
+        host, _ = _packing.pack([to_host(x) for x in leaves])
+        outs = [to_jax(o) for o in guard(run)(host)]
+    result: list[Any] = [None] * len(leaves)
+    for out, idx, offsets in zip(outs, layout.groups, layout.offsets):
+        pieces = jnp.split(out, list(offsets[1:-1])) if len(idx) > 1 else [out]
+        for i, piece in zip(idx, pieces):
+            shape = specs[i].shape
+            result[i] = piece if piece.shape == shape else piece.reshape(shape)
+    return result
 
 
 def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
