@@ -3,8 +3,9 @@
 Horovod's compressor interface is two static methods, ``compress(tensor) -> (tensor, ctx)`` and
 ``decompress(tensor, ctx) -> tensor``. The policy (what FP16 compression touches and how it is
 undone) lives here once; a framework adapter supplies a two-method :class:`DtypeHook` (the
-canonical dtype name of a tensor, and a cast to a named dtype) and exposes its own
-``Compression.none`` / ``Compression.fp16`` on its tensor type. :data:`NUMPY` is the hook for
+canonical dtype name of a tensor, and a cast to a named dtype) and subclasses the
+:class:`NoneCompressor` / :class:`FP16Compressor` here with it, for its ``Compression.none`` /
+``Compression.fp16``. :data:`NUMPY` is the hook for
 numpy arrays.
 """
 
@@ -67,5 +68,49 @@ class _NumpyHook:
 NUMPY: DtypeHook = _NumpyHook()
 """The :class:`DtypeHook` for numpy arrays."""
 
-__all__ = ["DtypeHook", "FLOATING", "NUMPY", "fp16_compress", "fp16_decompress",
-           "none_compress", "none_decompress"]
+
+# ---- Horovod's compressor classes, once; an adapter subclasses them with its hook --------------
+class Compressor:
+    """Interface for compressing and decompressing a tensor (Horovod's): ``compress(tensor)
+    -> (tensor, ctx)`` and ``decompress(tensor, ctx) -> tensor``. A user-defined compressor is
+    any class with those two static methods."""
+
+    hook: DtypeHook = NUMPY
+    """The adapter's tensor dtypes (set by each adapter's subclasses)."""
+
+    @staticmethod
+    def compress(tensor: Any) -> tuple[Any, Any]:
+        """Compress a tensor; returns it with the context needed to decompress it."""
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        """Decompress the tensor with the given context."""
+        raise NotImplementedError
+
+
+class NoneCompressor(Compressor):
+    """Default: no compression."""
+
+    @classmethod
+    def compress(cls, tensor: Any) -> tuple[Any, Any]:
+        return none_compress(tensor, cls.hook)
+
+    @classmethod
+    def decompress(cls, tensor: Any, ctx: Any) -> Any:
+        return none_decompress(tensor, ctx, cls.hook)
+
+
+class FP16Compressor(Compressor):
+    """Floating-point tensors travel as float16 and are cast back afterwards."""
+
+    @classmethod
+    def compress(cls, tensor: Any) -> tuple[Any, Any]:
+        return fp16_compress(tensor, cls.hook)
+
+    @classmethod
+    def decompress(cls, tensor: Any, ctx: Any) -> Any:
+        return fp16_decompress(tensor, ctx, cls.hook)
+
+__all__ = ["Compressor", "DtypeHook", "FLOATING", "FP16Compressor", "NUMPY", "NoneCompressor",
+           "fp16_compress", "fp16_decompress", "none_compress", "none_decompress"]

@@ -17,42 +17,8 @@ See docs/jax.md.
 
 from __future__ import annotations
 
-from hora import (
-    Adasum,
-    Average,
-    HorovodInternalError,
-    HostsUpdatedInterrupt,
-    Max,
-    Min,
-    ProcessSet,
-    Product,
-    Sum,
-    add_process_set,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
-    init,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    remove_process_set,
-    rocm_built,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
+from hora import _basics
+from hora._basics import *  # noqa: F403 - Horovod's common names, one list for every adapter
 from hora.core.api import poll, synchronize
 from hora.jax.async_ops import (
     allgather_async,
@@ -86,16 +52,11 @@ from hora.jax.ops import (
 from hora.jax.optimizer import DistributedOptimizer
 
 __all__ = [
-    "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError",
-    "HostsUpdatedInterrupt", "Max", "Min", "Product", "ProcessSet", "Sum", "add_process_set",
-    "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_async",
-    "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_async", "broadcast_object",
-    "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank",
-    "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built",
-    "gloo_enabled", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
-    "grouped_allreduce_async", "grouped_reducescatter", "grouped_reducescatter_async", "init",
-    "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "mpi_built",
-    "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter",
-    "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
-    "start_timeline", "stop_timeline", "synchronize",
+    *_basics.__all__,
+    "Compression", "DistributedOptimizer", "allgather", "allgather_async", "allgather_object",
+    "allreduce", "allreduce_async", "alltoall", "alltoall_async", "barrier", "broadcast",
+    "broadcast_async", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
+    "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
+    "grouped_allreduce_async", "grouped_reducescatter", "grouped_reducescatter_async", "join",
+    "poll", "reducescatter", "reducescatter_async", "synchronize",
 ]

@@ -20,42 +20,8 @@ listed in docs/tensorflow.md.
 
 from __future__ import annotations
 
-from hora import (
-    Adasum,
-    Average,
-    HorovodInternalError,
-    HostsUpdatedInterrupt,
-    Max,
-    Min,
-    ProcessSet,
-    Product,
-    Sum,
-    add_process_set,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
-    init,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    remove_process_set,
-    rocm_built,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
+from hora import _basics
+from hora._basics import *  # noqa: F403 - Horovod's common names, one list for every adapter
 from hora.tensorflow.compression import Compression
 from hora.tensorflow.functions import (
     allgather_object,
@@ -79,14 +45,9 @@ from hora.tensorflow.mpi_ops import (
 )
 
 __all__ = [
-    "Adasum", "Average", "Compression", "DistributedGradientTape", "HorovodInternalError",
-    "HostsUpdatedInterrupt", "Max", "Min", "PartialDistributedGradientTape", "Product",
-    "ProcessSet", "Sum", "add_process_set", "allgather", "allgather_object", "allreduce",
-    "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_object", "broadcast_object_fn",
-    "broadcast_variables", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
-    "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
-    "grouped_allreduce", "grouped_reducescatter", "init", "is_homogeneous", "is_initialized",
-    "join", "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
-    "nccl_built", "rank", "reducescatter", "remove_process_set", "rocm_built", "shutdown",
-    "size", "start_timeline", "stop_timeline",
+    *_basics.__all__,
+    "Compression", "DistributedGradientTape", "PartialDistributedGradientTape", "allgather",
+    "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_",
+    "broadcast_object", "broadcast_object_fn", "broadcast_variables", "grouped_allgather",
+    "grouped_allreduce", "grouped_reducescatter", "join", "reducescatter",
 ]

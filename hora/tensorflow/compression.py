@@ -26,42 +26,19 @@ class _TensorFlowDtypes:
 _HOOK = _TensorFlowDtypes()
 
 
-class Compressor:
-    """Interface for compressing and decompressing a tensor."""
+class Compressor(_core.Compressor):
+    """Interface for compressing and decompressing a tensor (Horovod's; see
+    :class:`hora.core.compression.Compressor`)."""
 
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        """Compress a tensor; returns it with the context needed to decompress it."""
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        """Decompress the tensor with the given context."""
-        raise NotImplementedError
+    hook = _HOOK
 
 
-class NoneCompressor(Compressor):
+class NoneCompressor(_core.NoneCompressor, Compressor):
     """Default: no compression."""
 
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        return _core.none_compress(tensor, _HOOK)
 
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return _core.none_decompress(tensor, ctx, _HOOK)
-
-
-class FP16Compressor(Compressor):
+class FP16Compressor(_core.FP16Compressor, Compressor):
     """Floating-point tensors travel as float16 and are cast back afterwards."""
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        return _core.fp16_compress(tensor, _HOOK)
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return _core.fp16_decompress(tensor, ctx, _HOOK)
 
 
 class Compression:

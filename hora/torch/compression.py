@@ -25,42 +25,19 @@ class _TorchDtypes:
 _HOOK = _TorchDtypes()
 
 
-class Compressor:
-    """Interface for compressing and decompressing a tensor."""
+class Compressor(_core.Compressor):
+    """Interface for compressing and decompressing a tensor (Horovod's; see
+    :class:`hora.core.compression.Compressor`)."""
 
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Compress a tensor; returns it with the context needed to decompress it."""
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        """Decompress the tensor with the given context."""
-        raise NotImplementedError
+    hook = _HOOK
 
 
-class NoneCompressor(Compressor):
+class NoneCompressor(_core.NoneCompressor, Compressor):
     """Default: no compression."""
 
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        return _core.none_compress(tensor, _HOOK)
 
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return _core.none_decompress(tensor, ctx, _HOOK)
-
-
-class FP16Compressor(Compressor):
-    """Floating-point tensors travel as float16 and are cast back afterwards (differentiable)."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        return _core.fp16_compress(tensor, _HOOK)
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return _core.fp16_decompress(tensor, ctx, _HOOK)
+class FP16Compressor(_core.FP16Compressor, Compressor):
+    """Floating-point tensors travel as float16 and are cast back afterwards."""
 
 
 class Compression:
