@@ -19,7 +19,7 @@ EXAMPLES = HERE.parents[1] / "examples"
 
 def test_keras_digits_two_ranks(tmp_path: Path) -> None:
     checkpoint = tmp_path / "digits.keras"
-    run = run_command(["-np", "2", str(EXAMPLES / "keras_digits.py"), "--epochs", "3",
+    run = run_command([str(EXAMPLES / "keras_digits.py"), "--epochs", "3",
                        "--checkpoint", str(checkpoint)], cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     final = re.findall(r"^\[0\]<stdout>:final validation accuracy (\d+\.\d)% \(2 ranks\)$",
@@ -32,7 +32,7 @@ def test_keras_digits_two_ranks(tmp_path: Path) -> None:
 
 
 def test_tensorflow_synthetic_benchmark_output_format(tmp_path: Path) -> None:
-    run = run_command(["-np", "2", str(EXAMPLES / "tensorflow_synthetic_benchmark.py"),
+    run = run_command([str(EXAMPLES / "tensorflow_synthetic_benchmark.py"),
                        "--batch-size", "4", "--image-size", "32", "--num-warmup-batches", "1",
                        "--num-batches-per-iter", "1", "--num-iters", "2", "--fp16-allreduce",
                        "--eager"],  # tracing MobileNetV2 costs ~7 s more (graph: tf_cases)

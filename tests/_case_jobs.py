@@ -1,0 +1,70 @@
+"""Real multi-process case jobs, shared by the adapter tests (torch, tensorflow, jax).
+
+One `hora run` job runs many cases and each rank prints ``CASE <id> OK`` (or the failure) per
+case; every case id is then one pytest test (:meth:`CaseJob.assert_ok`). Every job has a hard
+timeout and only its own process group is killed. Importable from any test module (pytest puts
+``tests/`` on ``sys.path`` for ``tests/conftest.py``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+@dataclass
+class CaseJob:
+    """Outcome of one job: per case id, the status line of each rank."""
+
+    np: int
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def status(self, case_id: str) -> dict[int, str]:
+        found: dict[int, str] = {}
+        for line in self.stdout.splitlines():
+            prefix, _, payload = line.partition(">:")
+            if not payload.startswith(f"CASE {case_id} "):
+                continue
+            rank = int(prefix.lstrip("[").split("]")[0])
+            found[rank] = payload[len(f"CASE {case_id} "):]
+        return found
+
+    def assert_ok(self, case_id: str) -> None:
+        found = self.status(case_id)
+        bad = {r: s for r, s in found.items() if s != "OK"}
+        missing = [r for r in range(self.np) if r not in found]
+        if bad or missing:
+            pytest.fail(f"case {case_id}: failed on {bad}, no report from ranks {missing} "
+                        f"(job exit {self.returncode})\n--- stdout tail\n{self.stdout[-3000:]}"
+                        f"\n--- stderr tail\n{self.stderr[-6000:]}")
+
+
+def run_job(np_: int, args: list[str], env: Mapping[str, str], cwd: Path,
+            timeout: float) -> CaseJob:
+    """`hora run -np N <args>` (the first ``.py`` argument runs under this Python), its
+    process group killed after ``timeout`` seconds."""
+    script = next(i for i, a in enumerate(args) if a.endswith(".py"))
+    cmd = [sys.executable, "-m", "hora.runner.cli", "run", "-np", str(np_), *args[:script],
+           sys.executable, *args[script:]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env}, start_new_session=True, cwd=cwd)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\n[job killed after {timeout} s]"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return CaseJob(np_, proc.returncode, out, err)
