@@ -197,7 +197,19 @@ broadcast = _spell(_sp.BROADCAST, "broadcast", False, True)
 broadcast_ = _spell(_sp.BROADCAST, "broadcast_", True, True)
 broadcast_async = _spell(_sp.BROADCAST, "broadcast_async", False, False)
 broadcast_async_ = _spell(_sp.BROADCAST, "broadcast_async_", True, False)
-alltoall = _spell(_sp.ALLTOALL, "alltoall", False, True)
+_alltoall_pair = _spell(_sp.ALLTOALL, "alltoall", False, True)
+
+
+def alltoall(tensor: np.ndarray, splits: Any = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Send ``splits[j]`` rows of dimension 0 to set member ``j`` (an even split when
+    ``splits`` is None). Returns the received rows; with ``splits``, ``(received,
+    received_splits)`` (Horovod's convention; ``synchronize`` of :func:`alltoall_async` always
+    gives the pair)."""
+    out, received = _alltoall_pair(tensor, splits, name, process_set)
+    return out if splits is None else (out, received)
+
+
 alltoall_async = _spell(_sp.ALLTOALL, "alltoall_async", False, False)
 reducescatter = _spell(_sp.REDUCESCATTER, "reducescatter", False, True)
 reducescatter_async = _spell(_sp.REDUCESCATTER, "reducescatter_async", False, False)
