@@ -7,7 +7,10 @@ prints last, so the root cause is not lost under the other ranks' "peer lost" er
 
 from __future__ import annotations
 
+import os
+import re
 import signal
+import sys
 from dataclasses import dataclass
 
 # Hints for deaths whose cause is not obvious from the signal name alone.
@@ -53,6 +56,8 @@ class WorkerFailure:
     returncode: int
     stderr_tail: tuple[str, ...] = ()
     start_error: str = ""  # set when the process could not even start (its message)
+    command: tuple[str, ...] = ()  # what could not be started (start errors)
+    program: str = ""  # the executable the rank ran (local ranks), for the interpreter hint
 
     @property
     def signal(self) -> int | None:
@@ -86,12 +91,40 @@ class WorkerFailure:
         hint = _SIGNAL_HINTS.get(self.signal or 0)
         if hint:
             lines.append(f"HINT: {signal_name(self.signal or 0)} usually means {hint}.")
+        lines.extend(self.hints())
         if self.stderr_tail:
             lines.append(f"last lines of rank {self.rank}'s stderr:")
             lines.extend(f"  {line}" for line in self.stderr_tail)
         else:
             lines.append(f"rank {self.rank} wrote nothing to stderr.")
         return lines
+
+
+    def hints(self) -> list[str]:
+        """What a new user most likely did wrong, read off the failure (may be empty)."""
+        if self.start_error and self.command and self.command[0].endswith(".py"):
+            return [f"HINT: {self.command[0]} is a Python script: put the interpreter in front, "
+                    f"e.g. `hora run -np {self.size} python {' '.join(self.command)}`."]
+        missing = next((m.group(1) for line in self.stderr_tail
+                        if (m := _NO_MODULE.search(line))), None)
+        if missing is None or missing.split(".")[0] not in _OURS:
+            return []
+        launcher = os.path.abspath(sys.executable)  # (a venv's python is a link: keep its path)
+        ran = self.program or "its interpreter"
+        if self.program and os.path.abspath(self.program) == launcher:
+            return [f"HINT: rank {self.rank} ran {ran}, the interpreter hora runs in, and it "
+                    f"has no module {missing!r}: install it there (pip install "
+                    f"'hora[{_EXTRA.get(missing.split('.')[0], 'torch')}]')."]
+        return [f"HINT: rank {self.rank} ran {ran}, but hora runs in {launcher}: activate that "
+                f"environment, or pass its python: `hora run -np {self.size} {launcher} "
+                "script.py`."]
+
+
+_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
+_OURS = frozenset({"hora", "horovod", "numpy", "torch", "tensorflow", "keras", "jax", "optax",
+                   "flax"})
+_EXTRA = {"tensorflow": "tensorflow", "keras": "tensorflow", "jax": "jax", "optax": "jax",
+          "flax": "jax"}
 
 
 __all__ = ["WorkerFailure", "exit_status", "signal_name"]

@@ -77,6 +77,14 @@ class RankLaunch:
     before_start: Callable[[], None] | None = None
 
 
+def _resolve(program: str, env: Mapping[str, str]) -> str:
+    """The file ``program`` names for a process started with ``env`` (PATH lookup)."""
+    import shutil
+
+    found = shutil.which(program, path=env.get("PATH", os.defpath))
+    return os.path.abspath(found) if found else program
+
+
 @dataclass
 class _Worker:
     slot: Slot
@@ -85,6 +93,7 @@ class _Worker:
         default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
     relays: list[_Relay] = field(default_factory=list)
     release: threading.Event | None = None  # set: close stdin (stops a rank with a request)
+    program: str = ""  # the executable a local rank ran (resolved on its PATH), for hints
 
     @property
     def rank(self) -> int:
@@ -232,13 +241,15 @@ class _Supervisor:
                         copy.close()
                 message = (f"cannot start rank {launch.slot.rank}: {argv[0]!r}: "
                            f"{exc.strerror or exc}")
-                self._console.say(message)
                 code = 127 if isinstance(exc, FileNotFoundError) else 126
-                self._console.rank_failed(WorkerFailure(
+                failure = WorkerFailure(
                     rank=launch.slot.rank, size=len(self._ranks), hostname=launch.slot.hostname,
-                    returncode=code, start_error=message))
+                    returncode=code, start_error=message, command=tuple(argv))
+                self._console.say("\n".join([message, *failure.hints()]))
+                self._console.rank_failed(failure)
                 return code
-            worker = _Worker(slot=launch.slot, proc=proc)
+            worker = _Worker(slot=launch.slot, proc=proc, program="" if launch.argv is not None
+                             else _resolve(argv[0], launch.env))
             self._workers.append(worker)
             self._start_relays(worker, copies)
             if launch.stdin is not None:
@@ -307,7 +318,8 @@ class _Supervisor:
         for relay in worker.relays:
             relay.join(_RELAY_JOIN_S)
         failure = WorkerFailure(rank=failure.rank, size=failure.size, hostname=failure.hostname,
-                                returncode=code, stderr_tail=tuple(worker.tail))
+                                returncode=code, stderr_tail=tuple(worker.tail),
+                                program=worker.program)
         self._console.say("\n".join(failure.report(stopped=others)))
         return failure.exit_status
 

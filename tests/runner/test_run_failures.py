@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
 
 import pytest
 
-from .helpers import PY, Launcher, run_hora, wait_dead, worker, write_pid
+from .helpers import PY, Launcher, clean_env, run_hora, wait_dead, worker, write_pid
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="reads /proc to check pids")
@@ -114,3 +115,31 @@ def test_command_not_found_exits_127() -> None:
 def test_all_ranks_succeed_exit_0() -> None:
     result = run_hora("run", "-np", "4", *worker("pass"))
     assert (result.rc, result.err) == (0, "")
+
+
+def test_a_script_started_without_its_interpreter_gets_a_hint(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("print('never runs')\n")  # not executable: exec fails with EACCES
+    result = run_hora("run", "-np", "2", str(script))
+    assert result.rc == 126
+    assert f"cannot start rank 0: '{script}': Permission denied" in result.err
+    assert (f"HINT: {script} is a Python script: put the interpreter in front, e.g. "
+            f"`hora run -np 2 python {script}`") in result.err
+
+
+def test_a_rank_in_another_interpreter_without_hora_is_told_which_to_use(
+        tmp_path: Path) -> None:
+    """`python` on the ranks' PATH is not the interpreter hora runs in (an environment that is
+    not activated): the summary names both and the fix."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    other = bin_dir / "python"  # stands for a system python without hora
+    other.write_text("#!/bin/sh\necho \"Traceback (most recent call last):\" >&2\n"
+                     "echo \"ModuleNotFoundError: No module named 'hora'\" >&2\nexit 1\n")
+    other.chmod(0o755)
+    env = clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}")
+    result = run_hora("run", "-np", "2", "python", "train.py", env=env)
+    assert result.rc == 1
+    assert (f"ran {other}, but hora runs in {os.path.abspath(sys.executable)}: activate that "
+            f"environment, or pass its python: `hora run -np 2 "
+            f"{os.path.abspath(sys.executable)} script.py`") in result.err
