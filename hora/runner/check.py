@@ -113,8 +113,7 @@ def probes() -> dict[str, list[Probe]]:
             _framework("TensorFlow", "tensorflow",
                        ("tensorflow", "tensorflow-cpu", "tensorflow-gpu"), "tensorflow",
                        "pip install tensorflow-cpu"),
-            _framework("Keras", "tensorflow", ("tensorflow", "tensorflow-cpu", "tensorflow-gpu"),
-                       "keras", "pip install tensorflow-cpu"),
+            _framework("Keras", "keras", ("keras",), "keras", "pip install tensorflow-cpu"),
             _framework("JAX", "jax", ("jax",), "jax", "pip install jax"),
         ],
         "Transports": [
@@ -132,7 +131,9 @@ def probes() -> dict[str, list[Probe]]:
                    else _optional(torch_v, "torch (CUDA build)", "transports.torch"))),
         ],
         "Launchers": [
-            Probe("hora run", True, "this host; multi-host and elastic: not yet"),
+            Probe("hora run", True, "this host, and other hosts over ssh (-H, --hostfile)"
+                  + ("; elastic (--min-np, --host-discovery-script)" if hora_has("elastic")
+                     else "; elastic: not yet")),
             Probe("mpirun", mpirun is not None,
                   f"{mpirun}: `mpirun -np N python train.py` needs no hora run" if mpirun
                   else "not found"),

@@ -113,7 +113,7 @@ def _knob_parser(knob: Knob, flag: str) -> Any:
 
 def _knob_help(knob: Knob) -> str:
     if knob.type is bool:
-        default = "on" if knob.default else "off"
+        default = "automatic" if knob.default is None else "on" if knob.default else "off"
     elif knob.cli_scale != 1:
         default = f"{knob.default // knob.cli_scale}"
     elif knob.default == "":

@@ -252,6 +252,27 @@ def test_check_reports_versions_and_the_horovod_checklist(
     assert run_cli(capsys, "--check-build")[1] == out
 
 
+def test_check_says_what_the_code_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """`hora check` states shipped capabilities as they are: multi-host launch over ssh exists
+    (hora/runner/ssh.py), elastic launch does not yet; Keras's own version is shown."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from hora.runner.check import hora_has
+
+    rc, out, _ = run_cli(capsys, "check")
+    assert rc == 0
+    line = next(ln for ln in out.splitlines() if "hora run " in ln and "[X]" in ln)
+    assert hora_has("runner.ssh") and "other hosts over ssh" in line
+    assert ("elastic: not yet" in line) == (not hora_has("elastic")), line
+    try:
+        keras = version("keras")
+    except PackageNotFoundError:
+        return
+    keras_line = next(ln for ln in out.splitlines() if ln.strip().startswith(("[X] Keras",
+                                                                                 "[ ] Keras")))
+    assert keras in keras_line, keras_line
+
+
 def test_check_imports_no_framework_and_the_runner_no_engine() -> None:
     code = ("import sys, hora; before = set(sys.modules)\n"
             "from hora.runner import check, cli; check.probes()\n"
