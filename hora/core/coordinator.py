@@ -304,12 +304,14 @@ class Coordinator:
         if missing_by_rank:
             lines = "\n".join(f"{r}: [{', '.join(names[:6])}{', ...' if len(names) > 6 else ''}]"
                               for r, names in sorted(missing_by_rank.items()))
+            then = (f"they fail on every rank once waiting {fail_after:g} s" if fail_after > 0
+                    else "they wait forever")
             log.warning(
                 "One or more tensors were submitted to be reduced, gathered or broadcasted by "
                 "subset of ranks and are waiting for remainder of ranks for more than %g "
-                "seconds. This may indicate that different ranks are trying to submit different "
-                "tensors or that only subset of ranks is submitting tensors, which will cause "
-                "deadlock.\nMissing ranks:\n%s%s", warn_after, lines,
+                "seconds; %s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, hora run "
+                "--stall-check-shutdown-time-seconds). Different ranks submit different tensors "
+                "or only some submit.\nMissing ranks:\n%s%s", warn_after, then, lines,
                 "".join(f"\n{h}" for h in hints))
         return failed
 

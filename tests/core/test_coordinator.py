@@ -156,6 +156,17 @@ def test_stall_warning_names_missing_ranks(caplog: pytest.LogCaptureFixture) -> 
     with caplog.at_level(logging.WARNING, logger="hora"):
         assert coord.check_stalls(now=1e12) == []
     assert "1: [allreduce.slow]" in caplog.text and "Missing ranks" in caplog.text
+    assert "they wait forever (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" in caplog.text
+
+
+def test_stall_warning_says_when_the_job_will_fail(caplog: pytest.LogCaptureFixture) -> None:
+    coord, _ = make(2, stall_check_time_seconds=1.0, stall_shutdown_time_seconds=600.0)
+    coord.add([req(0, "allreduce.slow")])
+    first = next(iter(coord._table.values())).first_seen  # noqa: SLF001
+    with caplog.at_level(logging.WARNING, logger="hora"):
+        assert coord.check_stalls(now=first + 61) == []
+    assert ("they fail on every rank once waiting 600 s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, "
+            "hora run --stall-check-shutdown-time-seconds)") in caplog.text
 
 
 def test_stall_shutdown_fails_the_op() -> None:
