@@ -92,7 +92,11 @@ class WorkerFailure:
         if hint:
             lines.append(f"HINT: {signal_name(self.signal or 0)} usually means {hint}.")
         lines.extend(self.hints())
-        if self.stderr_tail:
+        error = _exception_lines(self.stderr_tail)
+        if error:  # a Python traceback: its frames were relayed above, the error is the point
+            lines.append(f"rank {self.rank}'s error (its traceback is above):")
+            lines.extend(f"  {line}" for line in error)
+        elif self.stderr_tail:
             lines.append(f"last lines of rank {self.rank}'s stderr:")
             lines.extend(f"  {line}" for line in self.stderr_tail)
         else:
@@ -118,6 +122,19 @@ class WorkerFailure:
         return [f"HINT: rank {self.rank} ran {ran}, but hora runs in {launcher}: activate that "
                 f"environment, or pass its python: `hora run -np {self.size} {launcher} "
                 "script.py`."]
+
+
+def _exception_lines(tail: tuple[str, ...]) -> list[str]:
+    """The exception that ends a Python traceback in ``tail`` (its unindented last lines after
+    the frames), or [] when the tail does not end with one."""
+    end = len(tail)
+    start = end
+    while start > 0 and tail[start - 1] and not tail[start - 1][0].isspace() \
+            and not tail[start - 1].startswith("Traceback (most recent call last)"):
+        start -= 1
+    has_frames = start > 0 and (tail[start - 1][:1].isspace()
+                                or tail[start - 1].startswith("Traceback"))
+    return list(tail[start:end]) if has_frames and start < end else []
 
 
 _NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")

@@ -143,3 +143,16 @@ def test_a_rank_in_another_interpreter_without_hora_is_told_which_to_use(
     assert (f"ran {other}, but hora runs in {os.path.abspath(sys.executable)}: activate that "
             f"environment, or pass its python: `hora run -np 2 "
             f"{os.path.abspath(sys.executable)} script.py`") in result.err
+
+
+def test_the_summary_shows_a_python_error_once_not_its_traceback_again() -> None:
+    result = run_hora("run", "-np", "2", *worker(
+        "import os\nif os.environ['HORA_RANK'] == '1':\n    raise ValueError('boom')\n"
+        "import time; time.sleep(30)"))
+    assert result.rc == 1
+    summary = [ln for ln in result.err.splitlines() if ln.startswith("[hora]")]
+    relayed = [ln for ln in result.err.splitlines() if ln.startswith("[1]<stderr>:")]
+    assert any('File "' in ln for ln in relayed)  # the traceback, as the rank wrote it
+    assert not any('File "' in ln for ln in summary), summary  # not repeated
+    assert sum("ValueError: boom" in ln for ln in summary) == 1, summary
+    assert any("rank 1's error (its traceback is above):" in ln for ln in summary), summary
