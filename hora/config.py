@@ -329,7 +329,7 @@ def load(env: Mapping[str, str] | None = None, *, strict: bool = True) -> Config
             raise ConfigError(
                 f"unknown hora setting {unknown[0]} in the environment"
                 + (f" (did you mean {close}?)" if close else "")
-                + "; see `hora run --help` or docs/config.md for the knob table."
+                + "; see `hora run --help-all` or docs/config.md for the knob table."
             )
     return Config(**values)
 

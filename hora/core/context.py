@@ -185,7 +185,7 @@ def _warn_unknown_horovod_vars() -> None:
         if name not in _warned_vars:
             _warned_vars.add(name)
             log.warning("unknown Horovod setting %s in the environment is ignored%s; see `hora "
-                        "run --help` or docs/config.md for the settings hora reads", name,
+                        "run --help-all` or docs/config.md for the settings hora reads", name,
                         f" (did you mean {close}?)" if close else "")
 
 

@@ -69,7 +69,7 @@ options:
   -v, --version  print hora's version and exit
 
 `{PROG} -np 4 python train.py` (horovodrun's spelling, without `run`) works too.
-Run `{PROG} run --help` for every option.
+Run `{PROG} run --help` for the most used options, `{PROG} run --help-all` for every one.
 """
 
 

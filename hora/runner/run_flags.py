@@ -77,6 +77,41 @@ class _Parser(argparse.ArgumentParser):
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
+_MOST_USED = ("np", "hosts", "hostfile", "command", "verbose", "output_filename", "ssh_port",
+              "ssh_identity_file", "knob_start_timeout", "help", "help_all")
+
+
+class _ShortHelp(argparse.Action):
+    """``-h``: usage, the most used options and the examples; ``--help-all`` has the rest."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        fmt = parser._get_formatter()  # noqa: SLF001 - argparse's own formatter
+        fmt.add_usage(parser.usage, parser._actions, [])  # noqa: SLF001
+        fmt.add_text(parser.description)
+        fmt.start_section("most used options")
+        actions = [a for a in parser._actions if a.dest in _MOST_USED]  # noqa: SLF001
+        fmt.add_arguments(sorted(actions, key=lambda a: _MOST_USED.index(a.dest)))
+        fmt.end_section()
+        rest = sum(1 for a in parser._actions if a.dest not in _MOST_USED)  # noqa: SLF001
+        fmt.add_text(f"{PROG} run --help-all shows the other {rest} options: every horovodrun "
+                     "flag (ssh, elastic, timeline, stall check, library, logging, controller, "
+                     "-x environment) and every tunable, with defaults and HORA_* variables.")
+        fmt.add_text(parser.epilog)
+        parser._print_message(fmt.format_help(), sys.stdout)  # noqa: SLF001
+        parser.exit()
+
+
+class _FullHelp(_ShortHelp):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        parser.print_help()
+        parser.exit()
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -153,7 +188,12 @@ def build_run_parser() -> argparse.ArgumentParser:
         prog=f"{PROG} run", usage=f"{PROG} run [options] -np N command [args ...]",
         description="Launch N ranks of a training script on this machine or, over ssh, on "
                     "other hosts (horovodrun's flags).",
-        epilog=_RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=_RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False)
+    parser.add_argument("-h", "--help", action=_ShortHelp,
+                        help="show the most used options and exit")
+    parser.add_argument("--help-all", action=_FullHelp,
+                        help="show every option (all of horovodrun's, and every tunable)")
     groups = {key: parser.add_argument_group(title) for key, title in _GROUPS}
     g = groups["general"]
     g.add_argument("-v", "--version", action="store_true", help="print hora's version and exit")

@@ -214,8 +214,19 @@ def test_config_file_needs_pyyaml_or_applies_under_the_command_line(
 
 # ---- help, version, check ------------------------------------------------------------------------
 
-def test_run_help_is_grouped_with_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_help_leads_with_the_most_used_options(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run_cli(capsys, "run", "--help")
+    assert rc == 0 and out.startswith("usage: hora run [options] -np N command")
+    assert len(out.splitlines()) <= 60, len(out.splitlines())
+    for flag in ("-np N", "-H HOST:SLOTS", "--hostfile FILE", "--verbose", "--output-filename",
+                 "command", "--help-all"):
+        assert flag in out, flag
+    assert "--fusion-threshold-mb MB" not in out and "examples:" in out
+    assert run_cli(capsys, "run", "-h")[1] == out
+
+
+def test_run_help_all_is_grouped_with_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run_cli(capsys, "run", "--help-all")
     assert rc == 0
     for title in ("general:", "tunables", "elastic", "stall check:", "hosts", "controller:"):
         assert title in out
