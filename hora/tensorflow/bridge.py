@@ -79,6 +79,38 @@ def host_call(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[tf.Tenso
     return list(result) if isinstance(result, (list, tuple)) else [result]
 
 
+def differentiable(what: str, xs: Sequence[tf.Tensor], forward: Callable[..., Sequence[Any]],
+                   shapes: Sequence[Any], backward: Callable[..., Sequence[Any]] | None,
+                   extra: Callable[[Sequence[tf.Tensor]], list[tf.Tensor]] | None = None
+                   ) -> list[tf.Tensor]:
+    """One collective over ``xs``: host function ``forward`` in one :func:`host_call` (op
+    ``Hora<what>``; outputs of the inputs' dtypes, shaped ``shapes``), differentiable when
+    every input is floating point: ``backward(*cotangents, *extra(inputs))`` (op
+    ``Hora<what>Grad``) returns the inputs' cotangents (the rules of :mod:`hora.core.gradients`).
+    """
+    def run(*inputs: tf.Tensor) -> list[tf.Tensor]:
+        ys = host_call(forward, inputs, [x.dtype for x in inputs], f"Hora{what}")
+        for y, shape in zip(ys, shapes):
+            y.set_shape(shape)
+        return ys
+
+    if backward is None or not all(x.dtype.is_floating for x in xs):
+        return run(*xs)
+
+    @tf.custom_gradient
+    def fn(*inputs: tf.Tensor) -> Any:
+        more = extra(inputs) if extra is not None else []
+
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            gs = host_call(backward, [*dys, *more], [d.dtype for d in dys], f"Hora{what}Grad")
+            for g, x in zip(gs, inputs):
+                g.set_shape(x.shape)
+            return gs
+        return run(*inputs), grad
+
+    return list(fn(*xs))
+
+
 def op_name(name: str | None, ignore_name_scope: bool = False) -> str | None:
     """The op's name in the core: ``name`` under the current ``tf.name_scope`` (Horovod's rule;
     ``ignore_name_scope`` drops the scope), or None for an automatic, call-order name."""

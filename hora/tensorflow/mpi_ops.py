@@ -35,7 +35,14 @@ from hora.core import context as _context
 from hora.core import gradients as _grads
 from hora.core import spellings as _sp
 from hora.core.process_set import ProcessSet, global_process_set
-from hora.tensorflow.bridge import HOST, check_dtype, host_call, op_name, rows_shape
+from hora.tensorflow.bridge import (
+    HOST,
+    check_dtype,
+    differentiable,
+    host_call,
+    op_name,
+    rows_shape,
+)
 from hora.tensorflow.compression import Compression, Compressor
 
 
@@ -46,25 +53,11 @@ def _differentiable(x: tf.Tensor) -> bool:
 # ---- allreduce ---------------------------------------------------------------------------------
 def _allreduce(tensor: tf.Tensor, name: str | None, op: ReduceOp, pre: float, post: float,
                process_set: ProcessSet) -> tf.Tensor:
-    def forward(x: tf.Tensor) -> tf.Tensor:
-        y = host_call(lambda a: [_sp.run(HOST, _sp.ALLREDUCE, a, None, name, op, pre, post,
-                                         process_set)], [x], [x.dtype], "HoraAllreduce")[0]
-        y.set_shape(x.shape)
-        return y
-
-    if not _differentiable(tensor):
-        return forward(tensor)
-
-    @tf.custom_gradient
-    def fn(x: tf.Tensor) -> Any:
-        def grad(dy: tf.Tensor) -> tf.Tensor:
-            g = host_call(lambda a: [_grads.allreduce(HOST, a, op, pre, post, process_set)],
-                          [dy], [dy.dtype], "HoraAllreduceGrad")[0]
-            g.set_shape(dy.shape)
-            return g
-        return forward(x), grad
-
-    return fn(tensor)
+    args = (op, pre, post, process_set)
+    return differentiable(
+        "Allreduce", [tensor],
+        lambda a: [_sp.run(HOST, _sp.ALLREDUCE, a, None, name, *args)], [tensor.shape],
+        lambda g: [_grads.allreduce(HOST, g, *args)])[0]
 
 
 def _sparse_allreduce(slices: tf.IndexedSlices, name: str | None, op: ReduceOp, pre: float,
@@ -130,29 +123,10 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
     pairs = [compression.compress(check_dtype(t, _sp.REDUCE)) for t in tensors]
     xs = [c for c, _ in pairs]
     args = (resolved, prescale_factor, postscale_factor, process_set)
-
-    def forward(*inputs: tf.Tensor) -> list[tf.Tensor]:
-        ys = host_call(lambda *a: _sp.run(HOST, _sp.GROUPED_ALLREDUCE, list(a), None, full,
-                                          *args), inputs, [x.dtype for x in inputs],
-                       "HoraGroupedAllreduce")
-        for y, x in zip(ys, inputs):
-            y.set_shape(x.shape)
-        return ys
-
-    if not all(_differentiable(x) for x in xs):
-        outs = forward(*xs)
-    else:
-        @tf.custom_gradient
-        def fn(*inputs: tf.Tensor) -> Any:
-            def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
-                gs = host_call(lambda *g: _grads.grouped_allreduce(HOST, g, *args), dys,
-                               [d.dtype for d in dys], "HoraGroupedAllreduceGrad")
-                for g, d in zip(gs, dys):
-                    g.set_shape(d.shape)
-                return gs
-            return forward(*inputs), grad
-
-        outs = fn(*xs)
+    outs = differentiable(
+        "GroupedAllreduce", xs,
+        lambda *a: _sp.run(HOST, _sp.GROUPED_ALLREDUCE, list(a), None, full, *args),
+        [x.shape for x in xs], lambda *g: _grads.grouped_allreduce(HOST, g, *args))
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
 
 
@@ -174,39 +148,20 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
         return []
     single = len(xs) == 1
     family = _sp.ALLGATHER if single else _sp.GROUPED_ALLGATHER
+    n = len(xs)
 
-    def forward(*inputs: tf.Tensor) -> list[tf.Tensor]:
-        def run(*a: np.ndarray) -> list[np.ndarray]:
-            out = _sp.run(HOST, family, a[0] if single else list(a), full, process_set)
-            return [out] if single else list(out)
-        ys = host_call(run, inputs, [x.dtype for x in inputs], "HoraAllgather")
-        for y, x in zip(ys, inputs):
-            y.set_shape(rows_shape(x))
-        return ys
+    def forward(*a: np.ndarray) -> list[np.ndarray]:
+        out = _sp.run(HOST, family, a[0] if single else list(a), full, process_set)
+        return [out] if single else list(out)
 
-    if not all(_differentiable(x) for x in xs):
-        return forward(*xs)
+    def backward(*a: np.ndarray) -> list[np.ndarray]:  # cotangents, then each input's rows
+        rows = [int(d) for d in a[n:]]
+        if single:
+            return [_grads.allgather(HOST, a[0], rows[0], process_set)]
+        return _grads.grouped_allgather(HOST, a[:n], rows, process_set)
 
-    @tf.custom_gradient
-    def fn(*inputs: tf.Tensor) -> Any:
-        dims = [tf.shape(x, out_type=tf.int64)[0] for x in inputs]
-
-        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
-            n = len(dys)
-
-            def run(*a: np.ndarray) -> list[np.ndarray]:
-                rows = [int(d) for d in a[n:]]
-                if single:
-                    return [_grads.allgather(HOST, a[0], rows[0], process_set)]
-                return _grads.grouped_allgather(HOST, a[:n], rows, process_set)
-            gs = host_call(run, [*dys, *dims], [d.dtype for d in dys], "HoraAllgatherGrad")
-            for g, x in zip(gs, inputs):
-                g.set_shape(x.shape)
-            return gs
-        return forward(*inputs), grad
-
-    out: list[tf.Tensor] = list(fn(*xs))
-    return out
+    return differentiable("Allgather", xs, forward, [rows_shape(x) for x in xs], backward,
+                          lambda inputs: [tf.shape(x, out_type=tf.int64)[0] for x in inputs])
 
 
 # ---- broadcast ---------------------------------------------------------------------------------
@@ -217,26 +172,10 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
     dtype and root must agree on all ranks. Differentiable."""
     full = op_name(name, ignore_name_scope)
     x = check_dtype(tensor, _sp.MOVE)
-
-    def forward(t: tf.Tensor) -> tf.Tensor:
-        y = host_call(lambda a: [_sp.run(HOST, _sp.BROADCAST, a, root_rank, full,
-                                         process_set)], [t], [t.dtype], "HoraBroadcast")[0]
-        y.set_shape(t.shape)
-        return y
-
-    if not _differentiable(x):
-        return forward(x)
-
-    @tf.custom_gradient
-    def fn(t: tf.Tensor) -> Any:
-        def grad(dy: tf.Tensor) -> tf.Tensor:
-            g = host_call(lambda a: [_grads.broadcast(HOST, a, root_rank, process_set)], [dy],
-                          [dy.dtype], "HoraBroadcastGrad")[0]
-            g.set_shape(dy.shape)
-            return g
-        return forward(t), grad
-
-    return fn(x)
+    return differentiable(
+        "Broadcast", [x], lambda a: [_sp.run(HOST, _sp.BROADCAST, a, root_rank, full,
+                                             process_set)], [x.shape],
+        lambda g: [_grads.broadcast(HOST, g, root_rank, process_set)])[0]
 
 
 def broadcast_(variables: Any, root_rank: int, name: str | None = None,
@@ -341,34 +280,18 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
     family = _sp.REDUCESCATTER if single else _sp.GROUPED_REDUCESCATTER
     args = (resolved, process_set, prescale_factor, postscale_factor)
 
-    def forward(*inputs: tf.Tensor) -> list[tf.Tensor]:
-        def run(*a: np.ndarray) -> list[np.ndarray]:
-            out = _sp.run(HOST, family, a[0] if single else list(a), full, *args)
-            return [out] if single else list(out)
-        ys = host_call(run, inputs, [x.dtype for x in inputs], "HoraReducescatter")
-        for y, x in zip(ys, inputs):
-            y.set_shape(rows_shape(x))
-        return ys
+    def forward(*a: np.ndarray) -> list[np.ndarray]:
+        out = _sp.run(HOST, family, a[0] if single else list(a), full, *args)
+        return [out] if single else list(out)
 
-    if not all(_differentiable(x) for x in xs):
-        outs = forward(*xs)
-    else:
-        @tf.custom_gradient
-        def fn(*inputs: tf.Tensor) -> Any:
-            def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
-                def run(*g: np.ndarray) -> list[np.ndarray]:
-                    scale = _grads.reducescatter_scale(resolved, prescale_factor,
-                                                       postscale_factor, process_set)
-                    if single:
-                        return [_grads.reducescatter(HOST, g[0], scale, process_set)]
-                    return _grads.grouped_reducescatter(HOST, g, scale, process_set)
-                gs = host_call(run, dys, [d.dtype for d in dys], "HoraReducescatterGrad")
-                for g, x in zip(gs, inputs):
-                    g.set_shape(x.shape)
-                return gs
-            return forward(*inputs), grad
+    def backward(*g: np.ndarray) -> list[np.ndarray]:
+        scale = _grads.reducescatter_scale(resolved, prescale_factor, postscale_factor,
+                                           process_set)
+        if single:
+            return [_grads.reducescatter(HOST, g[0], scale, process_set)]
+        return _grads.grouped_reducescatter(HOST, g, scale, process_set)
 
-        outs = list(fn(*xs))
+    outs = differentiable("Reducescatter", xs, forward, [rows_shape(x) for x in xs], backward)
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
 
 
