@@ -3,12 +3,10 @@ factory, and the rank side of the job (``python numpy_suite.py``). Imports no fr
 
 from __future__ import annotations
 
-import os
-import sys
-import traceback
 from typing import Any
 
 import numpy as np
+from _case_runner import run_cases
 
 REDUCE = ["uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "float32", "float64"]
 
@@ -37,18 +35,7 @@ def main() -> None:
 
     collective_suite.init(hvd)
     factory = NumpyFactory()
-    for case_id, fn in collective_suite.cases(factory):
-        try:
-            fn(hvd, factory)
-        except BaseException as exc:  # noqa: BLE001 - report, then leave at once
-            detail = f"{type(exc).__name__}: {exc}".replace("\n", " | ")
-            print(f"CASE {case_id} FAIL {detail}", flush=True)
-            traceback.print_exc()
-            sys.stderr.flush()
-            os._exit(1)
-        print(f"CASE {case_id} OK", flush=True)
-    hvd.shutdown()
-    print("DONE", flush=True)
+    run_cases(hvd, collective_suite.cases(factory), factory)
 
 
 if __name__ == "__main__":

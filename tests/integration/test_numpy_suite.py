@@ -23,7 +23,7 @@ CASE_IDS = [case_id for case_id, _ in collective_suite.cases(NumpyFactory())]
 JOB_ENV = {
     "HOROVOD_STALL_CHECK_TIME_SECONDS": "5", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "20",
     "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(SUITE_DIR), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        [str(SUITE_DIR), str(HERE.parent), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
 }
 
 

@@ -8,11 +8,10 @@ prints ``CASE <id> FAIL <error>`` (traceback on stderr) and exits at once.
 from __future__ import annotations
 
 import importlib
-import os
 import sys
-import traceback
 
 import jax_case_ids
+from _case_runner import run_cases
 
 import hora.jax as hvd
 
@@ -24,18 +23,7 @@ def main(group: str) -> None:
     want = jax_case_ids.ids(group)
     got = [case_id for case_id, _ in cases]
     assert got == want, f"jax_case_ids.ids({group!r}) is out of date: {got} != {want}"
-    for case_id, fn in cases:
-        try:
-            fn(hvd)
-        except BaseException as exc:  # noqa: BLE001 - report, then leave at once
-            detail = f"{type(exc).__name__}: {exc}".replace("\n", " | ")[:2000]
-            print(f"CASE {case_id} FAIL {detail}", flush=True)
-            traceback.print_exc()
-            sys.stderr.flush()
-            os._exit(1)
-        print(f"CASE {case_id} OK", flush=True)
-    hvd.shutdown()
-    print("DONE", flush=True)
+    run_cases(hvd, cases)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ WORKER = str(HERE / "torch_worker.py")
 JOB_ENV = {
     "HOROVOD_STALL_CHECK_TIME_SECONDS": "5", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "20",
     "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
 }
 
 

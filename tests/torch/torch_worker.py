@@ -9,11 +9,10 @@ instead of waiting for it.
 from __future__ import annotations
 
 import importlib
-import os
 import sys
-import traceback
 
 import torch
+from _case_runner import run_cases
 from torch_factory import TorchFactory
 
 import hora.torch as hvd
@@ -24,18 +23,7 @@ def main(group: str) -> None:
     module = importlib.import_module(group)
     module.init(hvd)
     factory = TorchFactory()
-    for case_id, fn in module.cases():
-        try:
-            fn(hvd, factory)
-        except BaseException as exc:  # noqa: BLE001 - report, then leave at once
-            detail = f"{type(exc).__name__}: {exc}".replace("\n", " | ")
-            print(f"CASE {case_id} FAIL {detail}", flush=True)
-            traceback.print_exc()
-            sys.stderr.flush()
-            os._exit(1)
-        print(f"CASE {case_id} OK", flush=True)
-    hvd.shutdown()
-    print("DONE", flush=True)
+    run_cases(hvd, module.cases(), factory)
 
 
 if __name__ == "__main__":
