@@ -16,6 +16,7 @@ numpy arrays.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,49 +32,50 @@ core, about what copying 128 KiB in and out costs, so packing only pays below it
 class Layout:
     """Where each array goes: ``groups[k]`` lists the arrays packed into buffer ``k`` (one per
     dtype for small arrays, in order of first appearance, then one per large array),
-    ``offsets[k]`` where each starts in it (and, last, its end), ``sizes[k]`` its length."""
+    ``offsets[k]`` where each starts in it (and, last, its end), ``sizes[k]`` its length,
+    ``tag`` a short rank-independent tag of the shapes and dtypes (for op names)."""
 
     groups: tuple[tuple[int, ...], ...]
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[np.dtype, ...]
+    offsets: tuple[tuple[int, ...], ...]
+    sizes: tuple[int, ...]
+    tag: str
 
     @classmethod
     def of(cls, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[np.dtype],
            pack_below: int = PACK_BELOW) -> Layout:
         """Arrays under ``pack_below`` bytes share one buffer per dtype; larger ones keep a
         buffer each (their copy would cost more than the op it saves)."""
+        shapes = [tuple(int(d) for d in s) for s in shapes]
+        dts = [np.dtype(d) for d in dtypes]
+        counts = [math.prod(s) for s in shapes]
         order: dict[np.dtype, list[int]] = {}
         alone: list[tuple[int, ...]] = []
-        for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
-            dt = np.dtype(dtype)
-            if int(np.prod(shape, dtype=np.int64)) * dt.itemsize >= pack_below:
+        for i, dt in enumerate(dts):
+            if counts[i] * dt.itemsize >= pack_below:
                 alone.append((i,))
             else:
                 order.setdefault(dt, []).append(i)
-        return cls(tuple(tuple(idx) for idx in order.values()) + tuple(alone),
-                   tuple(tuple(int(d) for d in s) for s in shapes),
-                   tuple(np.dtype(d) for d in dtypes))
-
-    @property
-    def offsets(self) -> list[list[int]]:
-        out = []
-        for idx in self.groups:
+        groups = tuple(tuple(idx) for idx in order.values()) + tuple(alone)
+        offsets = []
+        for idx in groups:
             starts = [0]
             for i in idx:
-                starts.append(starts[-1] + int(np.prod(self.shapes[i], dtype=np.int64)))
-            out.append(starts)
-        return out
-
-    @property
-    def sizes(self) -> list[int]:
-        return [starts[-1] for starts in self.offsets]
+                starts.append(starts[-1] + counts[i])
+            offsets.append(tuple(starts))
+        text = ";".join(f"{d.str}{s}" for d, s in zip(dts, shapes))
+        return cls(groups, tuple(shapes), tuple(dts), tuple(offsets),
+                   tuple(o[-1] for o in offsets), f"p{zlib.crc32(text.encode()):08x}")
 
 
-def pack(arrays: Sequence[np.ndarray], pack_below: int = PACK_BELOW
-         ) -> tuple[list[np.ndarray], Layout]:
-    """Contiguous 1-D buffers (see :meth:`Layout.of`), and the layout to :func:`unpack`
-    results with. A buffer of one array is that array's flat view (no copy)."""
-    layout = Layout.of([a.shape for a in arrays], [a.dtype for a in arrays], pack_below)
+def pack(arrays: Sequence[np.ndarray], pack_below: int = PACK_BELOW,
+         layout: Layout | None = None) -> tuple[list[np.ndarray], Layout]:
+    """Contiguous 1-D buffers (see :meth:`Layout.of`; ``layout`` if already made for these
+    arrays), and the layout to :func:`unpack` results with. A buffer of one array is that
+    array's flat view (no copy)."""
+    if layout is None:
+        layout = Layout.of([a.shape for a in arrays], [a.dtype for a in arrays], pack_below)
     buffers = []
     for idx in layout.groups:
         if len(idx) == 1:
@@ -94,8 +96,7 @@ def unpack(buffers: Sequence[np.ndarray], layout: Layout) -> list[np.ndarray]:
 
 def layout_tag(layout: Layout) -> str:
     """A short rank-independent tag of the shapes and dtypes (for op names)."""
-    text = ";".join(f"{d.str}{s}" for d, s in zip(layout.dtypes, layout.shapes))
-    return f"p{zlib.crc32(text.encode()):08x}"
+    return layout.tag
 
 
 __all__ = ["Layout", "layout_tag", "pack", "unpack"]

@@ -142,7 +142,7 @@ def _allreduce_packed(kind: str, flat: Flat, leaves: list[Any], specs: list[Spec
 
         outs = apply(kind, packed, guard(run), packed_specs, backward)
     else:
-        host, _ = _packing.pack([to_host(x) for x in leaves])
+        host, _ = _packing.pack([to_host(x) for x in leaves], layout=layout)
         outs = [to_jax(o) for o in guard(run)(host)]
     result: list[Any] = [None] * len(leaves)
     for out, idx, offsets in zip(outs, layout.groups, layout.offsets):
