@@ -119,7 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-cuda", action="store_true", default=False,
                         help="disables CUDA training")
     parser.add_argument("--use-adasum", action="store_true", default=False,
-                        help="use adasum algorithm to do reduction (not implemented in hora)")
+                        help="use adasum algorithm to do reduction (hora: the Adasum delta "
+                             "optimizer is not implemented yet)")
     parser.add_argument("--image-size", type=int, default=None,
                         help="height and width of the synthetic images (hora addition); "
                              "default 80 for tiny_resnet, 224 for torchvision models")
@@ -130,8 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "threads")
     args = parser.parse_args(argv)
     if args.use_adasum:
-        parser.error("--use-adasum: Adasum is not implemented in hora (DistributedOptimizer "
-                     "raises NotImplementedError for op=hvd.Adasum); run without it to "
+        parser.error("--use-adasum: Adasum is not implemented in hora's DistributedOptimizer "
+                     "(it raises NotImplementedError for op=hvd.Adasum); run without it to "
                      "average gradients")
     for flag in ("batch_size", "num_batches_per_iter", "num_iters", "num_threads"):
         if getattr(args, flag) < 1:

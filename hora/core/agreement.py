@@ -14,7 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from hora.collectives.ops import ReduceOp
 from hora.core.messages import OpKind, Request, Response
+
+_ADASUM = int(ReduceOp.Adasum)
 
 Signature = tuple[object, ...]
 """What every rank's request for one name must agree on."""
@@ -64,6 +67,13 @@ class FusionKey(NamedTuple):
     op: int
     prescale: float
     postscale: float
+
+
+def fusable(resp: Response) -> bool:
+    """Whether ``resp`` may be fused with others of its :class:`FusionKey` (by the coordinator
+    and in the fast lane): allreduces, except a joined set's (zeros stand in for the joined
+    ranks) and Adasum's (its coefficients are computed per tensor)."""
+    return resp.kind is OpKind.ALLREDUCE and not resp.joined and resp.op != _ADASUM
 
 
 def fusion_key(resp: Response) -> FusionKey:

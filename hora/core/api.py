@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from hora.collectives.ops import ReduceOp, check_dtype, scale_inplace
+from hora.collectives.adasum import FLOAT_DTYPES, check_size
+from hora.collectives.ops import ReduceOp, check_dtype, dtype_name, scale_inplace
 from hora.core import context
 from hora.core.entry import Entry
 from hora.core.handle import Handle
@@ -67,6 +68,14 @@ def _set_ranks(ctx: context.Context, process_set: ProcessSet) -> tuple[int, tupl
         raise ValueError(f"Rank {ctx.rank} is not a member of the provided process set "
                          f"{list(ranks)}.")
     return set_id, ranks
+
+
+def _check_adasum(tensor: Any, size: int) -> None:
+    dtype = dtype_name(np.asarray(tensor).dtype)
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"Adasum reduces floating-point tensors ({', '.join(FLOAT_DTYPES)}), "
+                         f"not {dtype}.")
+    check_size(size)
 
 
 def _full_name(ctx: context.Context, prefix: str, name: str | None, set_id: int) -> str:
@@ -118,9 +127,9 @@ def allreduce_async(tensor: Any, *, name: str | None = None, op: int = ReduceOp.
     ctx = context.get("allreduce")
     if type(op) is not ReduceOp:
         op = ReduceOp(op)
+    set_id, ranks = _set_ranks(ctx, process_set)
     if op is ReduceOp.Adasum:
-        raise NotImplementedError("Adasum is not implemented in hora yet; use op=Average or Sum")
-    set_id, _ = _set_ranks(ctx, process_set)
+        _check_adasum(tensor, len(ranks))
     original = tensor
     work = _contiguous(tensor, "allreduce input")
     finish = None

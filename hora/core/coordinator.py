@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from hora._util.log import get_logger
 from hora.collectives.ops import ReduceOp, to_dtype
 from hora.config import Config
-from hora.core.agreement import fusion_key, request_signature
+from hora.core.agreement import fusable, fusion_key, request_signature
 from hora.core.deadlock import DeadlockDetector
 from hora.core.messages import (
     ERROR_MISMATCH,
@@ -34,7 +34,6 @@ from hora.core.process_set import Registry
 
 log = get_logger(__name__)
 
-_FUSABLE = (OpKind.ALLREDUCE,)
 _JOIN_UNSUPPORTED = {
     OpKind.ALLGATHER: "Allgather", OpKind.BROADCAST: "Broadcast",
     OpKind.ALLTOALL: "Alltoall", OpKind.REDUCESCATTER: "Reducescatter",
@@ -426,7 +425,7 @@ def _fuse(responses: list[Response], config: Config) -> list[Response]:
     out: list[Response] = []
     open_: dict[tuple[object, ...], tuple[Response, int]] = {}
     for resp in responses:
-        if resp.kind not in _FUSABLE or resp.joined:
+        if not fusable(resp):
             out.append(resp)
             continue
         nbytes = _nelems(resp.shapes[0]) * to_dtype(resp.dtype).itemsize

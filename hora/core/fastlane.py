@@ -55,6 +55,7 @@ from hora.collectives.ops import to_dtype
 from hora.config import Config
 from hora.core.agreement import (
     agrees,
+    fusable,
     fusion_key,
     response_signature,
 )
@@ -166,7 +167,7 @@ class FastLane:
     # ---- cache (engine thread) ---------------------------------------------------------------
     def learn(self, resp: Response) -> None:
         """Remember a negotiated allreduce's tensors (before it runs, on every member alike)."""
-        if resp.kind is not OpKind.ALLREDUCE or resp.joined:
+        if not fusable(resp):  # (Adasum runs on the set's TCP comm: never in the lane)
             return
         itemsize = to_dtype(resp.dtype).itemsize
         fusion = fusion_key(resp)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from hora._util.log import get_logger
+from hora.collectives.adasum import adasum_allreduce
 from hora.collectives.allgather import allgather
 from hora.collectives.allreduce import allreduce
 from hora.collectives.alltoall import alltoall
@@ -105,8 +106,10 @@ class Route:
         return None
 
     def allreduce(self, buf: np.ndarray, op: ReduceOp, scratch: np.ndarray) -> None:
-        """Reduce ``buf`` in place over this route."""
-        if self.group is not None and self._shm_fits(buf.nbytes):
+        """Reduce ``buf`` in place over this route (Adasum: over the set's comm, flat)."""
+        if op is ReduceOp.Adasum:
+            adasum_allreduce(self.comm, buf)
+        elif self.group is not None and self._shm_fits(buf.nbytes):
             self.group.allreduce(buf, op)
         elif self.scheme is DataPath.SHARD and self._local is not None:
             hierarchical_allreduce(self._local, self._cross, buf, op, scratch=scratch)

@@ -311,7 +311,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
             unique and cover every parameter of the optimizer. Default: generated names.
         compression: ``Compression.none`` or ``Compression.fp16`` (or your own compressor).
         backward_passes_per_step: backward passes accumulated locally before each allreduce.
-        op: Average (default), Sum, Min, Max or Product. Adasum raises NotImplementedError.
+        op: Average (default), Sum, Min, Max or Product. Adasum raises NotImplementedError
+            (the delta optimizer is not built yet; ``allreduce(op=Adasum)`` is).
         gradient_predivide_factor: Average is done as ``1/f`` before and ``f/size`` after.
         num_groups: deprecated, use ``groups``.
         groups: an int k (parameters split into k groups, each one grouped allreduce) or a list
@@ -328,9 +329,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
     if isinstance(groups, list):
         distopt.check_explicit_groups(groups, torch.is_tensor)
     if ReduceOp(op) is ReduceOp.Adasum and hora.size() > 1:
-        raise NotImplementedError("op=Adasum (Horovod's Adasum delta optimizer) is not "
-                                  "implemented in hora yet; use op=hvd.Average (the default) or "
-                                  "op=hvd.Sum.")
+        raise NotImplementedError("DistributedOptimizer(op=Adasum) (Horovod's Adasum delta "
+                                  "optimizer) is not implemented in hora yet; use op=hvd.Average "
+                                  "(the default) or op=hvd.Sum. hvd.allreduce(t, op=hvd.Adasum) "
+                                  "itself works.")
     base = optimizer.__class__
     namespace = dict(_DistributedOptimizer.__dict__)
     namespace["_hora_base"] = base

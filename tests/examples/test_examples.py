@@ -129,7 +129,7 @@ def test_synthetic_benchmark_output_format(tmp_path: Path) -> None:
 def test_synthetic_benchmark_adasum_is_a_clear_error(tmp_path: Path) -> None:
     result = run([sys.executable, str(SYNTHETIC), "--use-adasum"], tmp_path, timeout=60)
     assert result.rc == 2
-    assert "Adasum is not implemented in hora" in result.err
+    assert "Adasum is not implemented in hora's DistributedOptimizer" in result.err
 
 
 def test_train_step_benchmark_table(tmp_path: Path) -> None:

@@ -221,3 +221,12 @@ def test_a_horovod_knob_typo_is_warned_once_by_rank_0() -> None:
     warnings = [line for line in job.stderr.splitlines() if "HOROVOD_FUSION_THRESHOLDD" in line]
     assert len(warnings) == 1, job.stderr
     assert "[0]" in warnings[0] and "did you mean HOROVOD_FUSION_THRESHOLD?" in warnings[0]
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_adasum_allreduce_end_to_end(np_: int) -> None:
+    job = run_job(np_, "adasum")
+    assert job.returncode == 0, job.stdout + job.stderr
+    results = {line.split("rank ")[1].split(" ", 1)[1] for line in job.stdout.splitlines()
+               if "OK adasum rank" in line}
+    assert job.stdout.count("OK adasum rank") == np_ and len(results) == 1, job.stdout

@@ -232,5 +232,35 @@ def simple() -> None:
           f"sum {got.tolist()}")
 
 
+def adasum() -> None:
+    """op=Adasum through the numpy API: the pairwise formula on every rank (rank r's vector is
+    e_r + 1: a known answer), ints refused, a 3-rank process set refused."""
+    three = hora.ProcessSet([0, 1, 2])
+    hora.init(process_sets=[three])
+    r, n = hora.rank(), hora.size()
+    x = np.ones(n, np.float64)
+    x[r] += 1.0
+    got = hora.allreduce(x, op=hora.Adasum, name="ada")
+    level = [np.ones(n) + np.eye(n)[q] for q in range(n)]
+    while len(level) > 1:
+        nxt = []
+        for a, b in zip(level[0::2], level[1::2]):
+            d = a @ b
+            nxt.append((1 - d / (2 * (a @ a))) * a + (1 - d / (2 * (b @ b))) * b)
+        level = nxt
+    assert np.allclose(got, level[0]), (got, level[0])
+    refused = [(np.ones(2, np.int32), hora.global_process_set, "floating-point")]
+    if r in (0, 1, 2):
+        refused.append((np.ones(2), three, "power of two; this process set has 3"))
+    for bad, ps, match in refused:
+        try:
+            hora.allreduce(bad, op=hora.Adasum, process_set=ps)
+        except ValueError as exc:
+            assert match in str(exc), exc
+        else:
+            raise AssertionError(f"Adasum accepted {bad.dtype} on {ps}")
+    print(f"OK adasum rank {r} {got.tolist()}", flush=True)
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()

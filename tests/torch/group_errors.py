@@ -128,7 +128,9 @@ def bad_arguments(hvd: Any, f: Any) -> None:
     assert issubclass(horovod_error, RuntimeError)
     with _raises(ValueError, "Reducescatter does not support scalar inputs"):
         hvd.reducescatter(torch.tensor(1.0))
-    with _raises(NotImplementedError, "Adasum"):
+    with _raises(ValueError, "Adasum reduces floating-point tensors"):
+        hvd.allreduce(torch.ones(2, dtype=torch.int32), op=hvd.Adasum)
+    with _raises(ValueError, f"power of two; this process set has {n}"):  # a 3-rank job
         hvd.allreduce(torch.ones(2), op=hvd.Adasum)
     with _raises(NotImplementedError, "Adasum"):
         hvd.DistributedOptimizer(torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1),
@@ -143,10 +145,20 @@ def bad_arguments(hvd: Any, f: Any) -> None:
         hvd.alltoall(torch.ones(n), splits=[2] * n)
     with _raises(ValueError, "The op parameter supersedes average"):
         hvd.allreduce(torch.ones(1), average=True, op=hvd.Sum)
-    handle = hvd.allreduce_async(torch.ones(1), name="dup")
-    with _raises(ValueError, "same name as another tensor that is currently being processed"):
-        hvd.allreduce_async(torch.ones(1), name="dup")
-    assert hvd.synchronize(handle).item() == 1
+    # A duplicate in-flight name: the op cannot complete (and free its name) before the check,
+    # because one rank submits it only after a barrier; two rounds so every rank checks.
+    for late in (0, 1):
+        name = f"dup.{late}"
+        handle = None
+        if hvd.rank() != late:
+            handle = hvd.allreduce_async(torch.ones(1), name=name)
+            with _raises(ValueError, "same name as another tensor that is currently being "
+                                     "processed"):
+                hvd.allreduce_async(torch.ones(1), name=name)
+        hvd.barrier()
+        if handle is None:
+            handle = hvd.allreduce_async(torch.ones(1), name=name)
+        assert hvd.synchronize(handle).item() == 1
     with _raises(ValueError, "expected at least 2D input"):
         hvd.SyncBatchNorm(2)(torch.ones(2))
 
