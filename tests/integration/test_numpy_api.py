@@ -157,9 +157,15 @@ def test_torchrun_environment_without_hora_run() -> None:
 
 
 def test_mpirun_environment_without_hora_run() -> None:
+    from hora._util.net import free_port
+
+    # (the store port is otherwise derived from the job id: a free one keeps the test from
+    # colliding with whatever holds that port on a busy machine)
+    port = str(free_port())
     envs = [{"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": "3",
              "OMPI_COMM_WORLD_LOCAL_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_SIZE": "3",
-             "OMPI_MCA_orte_ess_jobid": f"{os.getpid()}", "HORA_START_TIMEOUT": "20"}
+             "OMPI_MCA_orte_ess_jobid": f"{os.getpid()}", "HORA_START_TIMEOUT": "20",
+             "HORA_RENDEZVOUS_PORT": port}
             for r in range(3)]
     outs = _spawn_all(envs, "simple")
     for r, out in enumerate(outs):
