@@ -119,8 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-cuda", action="store_true", default=False,
                         help="disables CUDA training")
     parser.add_argument("--use-adasum", action="store_true", default=False,
-                        help="use adasum algorithm to do reduction (hora: the Adasum delta "
-                             "optimizer is not implemented yet)")
+                        help="use adasum algorithm to do reduction")
     parser.add_argument("--image-size", type=int, default=None,
                         help="height and width of the synthetic images (hora addition); "
                              "default 80 for tiny_resnet, 224 for torchvision models")
@@ -130,10 +129,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "torch's CPU kernels 10x slower; raise it when cores >= ranks x "
                              "threads")
     args = parser.parse_args(argv)
-    if args.use_adasum:
-        parser.error("--use-adasum: Adasum is not implemented in hora's DistributedOptimizer "
-                     "(it raises NotImplementedError for op=hvd.Adasum); run without it to "
-                     "average gradients")
     for flag in ("batch_size", "num_batches_per_iter", "num_iters", "num_threads"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
@@ -157,11 +152,12 @@ def main(argv: list[str] | None = None) -> list[float]:
     image_size = args.image_size or (80 if args.model in BUILTIN_MODELS else 224)
     if args.cuda:
         model.cuda()
-    lr_scaler = hvd.size()
+    lr_scaler = hvd.size() if not args.use_adasum else 1  # Adasum needs no larger lr
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * lr_scaler)
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         compression=compression, op=hvd.Average)
+                                         compression=compression,
+                                         op=hvd.Adasum if args.use_adasum else hvd.Average)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 

@@ -311,8 +311,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
             unique and cover every parameter of the optimizer. Default: generated names.
         compression: ``Compression.none`` or ``Compression.fp16`` (or your own compressor).
         backward_passes_per_step: backward passes accumulated locally before each allreduce.
-        op: Average (default), Sum, Min, Max or Product. Adasum raises NotImplementedError
-            (the delta optimizer is not built yet; ``allreduce(op=Adasum)`` is).
+        op: Average (default), Sum, Min, Max, Product, or Adasum: Horovod's delta optimizer
+            (each rank steps locally, the parameter deltas are combined with Adasum; global
+            process set, 2^k ranks; :mod:`hora.torch.adasum_optimizer`).
         gradient_predivide_factor: Average is done as ``1/f`` before and ``f/size`` after.
         num_groups: deprecated, use ``groups``.
         groups: an int k (parameters split into k groups, each one grouped allreduce) or a list
@@ -322,18 +323,23 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
 
     Raises:
         ValueError: invalid options or ``named_parameters`` (see :mod:`hora.core.distopt`).
-        NotImplementedError: ``op=Adasum`` with more than one rank.
+        NotImplementedError: ``op=Adasum`` with a process set other than the global one.
     """
     groups = distopt.check_options(op, gradient_predivide_factor, backward_passes_per_step,
                                    num_groups, groups)
     if isinstance(groups, list):
         distopt.check_explicit_groups(groups, torch.is_tensor)
-    if ReduceOp(op) is ReduceOp.Adasum and hora.size() > 1:
-        raise NotImplementedError("DistributedOptimizer(op=Adasum) (Horovod's Adasum delta "
-                                  "optimizer) is not implemented in hora yet; use op=hvd.Average "
-                                  "(the default) or op=hvd.Sum. hvd.allreduce(t, op=hvd.Adasum) "
-                                  "itself works.")
     base = optimizer.__class__
+    if ReduceOp(op) is ReduceOp.Adasum and hora.size() > 1:
+        if process_set is not global_process_set:
+            raise NotImplementedError("Adasum does not support non-global process sets yet.")
+        from hora.torch.adasum_optimizer import _DistributedAdasumOptimizer
+
+        namespace = dict(_DistributedAdasumOptimizer.__dict__)
+        namespace["_hora_base"] = base
+        return type(base.__name__, (base,), namespace)(
+            optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
+            _base_kwargs(optimizer), dict(optimizer.state))
     namespace = dict(_DistributedOptimizer.__dict__)
     namespace["_hora_base"] = base
     cls = type(base.__name__, (base,), namespace)

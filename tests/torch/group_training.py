@@ -291,6 +291,45 @@ def mixed_precision(hvd: Any, f: Any) -> None:
     _assert_close(model, ref, {"rtol": 3e-2, "atol": 3e-2})
 
 
+def adasum_delta_optimizer(hvd: Any, f: Any) -> None:
+    """op=Adasum: each rank steps on its own half batch (plain SGD: delta = -lr * grad); the
+    parameters become start + adasum(delta_0, delta_1), per parameter, identical on both ranks.
+    Then SGD with momentum, and Adam, still keep the ranks identical."""
+    model = _model()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum)
+    assert type(opt).__name__ == "SGD" and isinstance(opt, torch.optim.SGD)
+    x, y = _batch()
+    opt.zero_grad()
+    nn.functional.mse_loss(model(_mine(hvd, x)), _mine(hvd, y)).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    opt.step()
+    for n, p in model.named_parameters():
+        both = hvd.allgather(grads[n].reshape(1, -1))  # each rank's gradient, in rank order
+        a, b = (-0.1 * both[0]).double(), (-0.1 * both[1]).double()
+        dot = a @ b
+        want = (1 - dot / (2 * (a @ a))) * a + (1 - dot / (2 * (b @ b))) * b
+        torch.testing.assert_close(p.detach().reshape(-1), start[n].reshape(-1) + want, **F64)
+    _same_everywhere(hvd, model)
+    for seed, make in ((1, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)),
+                       (2, lambda ps: torch.optim.Adam(ps, lr=0.01))):
+        model = _model(seed=seed)  # (a fresh model: an optimizer's hooks stay on its params)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = hvd.DistributedOptimizer(make(model.parameters()), op=hvd.Adasum,
+                                       named_parameters=model.named_parameters())
+        _train(model, opt, _mine(hvd, x), _mine(hvd, y), steps=3)
+        _same_everywhere(hvd, model)
+    try:
+        with opt.skip_synchronize():
+            pass
+    except AssertionError as exc:
+        assert "not supported when using Adasum" in str(exc)
+    else:
+        raise AssertionError("skip_synchronize accepted with Adasum")
+
+
 def cases() -> list[tuple[str, Any]]:
     from state_cases import CASES as STATE_CASES
 
@@ -312,6 +351,7 @@ def cases() -> list[tuple[str, Any]]:
         ("backward_passes_per_step", backward_passes),
         ("unused_parameter", unused_parameter),
         ("sparse_embedding", sparse_embedding),
+        ("adasum_delta_optimizer", adasum_delta_optimizer),
         ("step_warning_and_zero_grad", step_warning_and_zero_grad),
         ("mixed_precision_bf16_gradscaler", mixed_precision),
         *STATE_CASES,
