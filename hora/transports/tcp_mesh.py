@@ -182,7 +182,10 @@ class _MeshSetup:
                 sock.close()
                 return False
             self.conns[key] = sock
-        self._poke()
+            # Under the lock: the run loop sees the mesh complete only after this byte is
+            # written, so its final drain removes it. Written after, it would stay in the pair
+            # and wake the transport's first control receive for nothing.
+            self._poke()
         return True
 
     def _poke(self) -> None:
