@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from hora._util import build_info as _build
 from hora._version import __version__ as __version__
 from hora.collectives.ops import (
     SUPPORTED_DTYPES,
@@ -92,7 +93,7 @@ def is_homogeneous() -> bool:
 # ---- capabilities (answered truthfully: hora has its own engine, no MPI/Gloo/NCCL build) ----
 def mpi_built() -> bool:
     """False: hora is not built against MPI (``mpirun`` can still launch hora jobs)."""
-    return False
+    return _build.MPI
 
 
 def mpi_enabled() -> bool:
@@ -108,7 +109,7 @@ def mpi_threads_supported() -> bool:
 
 def gloo_built() -> bool:
     """False: hora's engine is its own, not Gloo."""
-    return False
+    return _build.GLOO
 
 
 def gloo_enabled() -> bool:
@@ -118,23 +119,23 @@ def gloo_enabled() -> bool:
 
 def nccl_built() -> int:
     """0: no NCCL build."""
-    return 0
+    return _build.NCCL
 
 
 def ddl_built() -> bool:
-    return False
+    return _build.DDL
 
 
 def ccl_built() -> bool:
-    return False
+    return _build.CCL
 
 
 def cuda_built() -> bool:
-    return False
+    return _build.CUDA
 
 
 def rocm_built() -> bool:
-    return False
+    return _build.ROCM
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

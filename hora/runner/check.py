@@ -19,6 +19,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from hora._util import build_info as build
+
 HOROVOD_API_VERSION = "0.28.1"
 """The Horovod release whose API and ``horovodrun`` flags hora follows."""
 
@@ -162,10 +164,11 @@ def _found(section: list[Probe], name: str) -> bool:
 def check_build_text(found: dict[str, list[Probe]] | None = None) -> str:
     """The report in ``horovodrun --check-build``'s format.
 
-    hora's own engine plays the part of Horovod's Gloo controller and CPU tensor operations.
+    The rows agree with ``hvd.mpi_built()``, ``gloo_built()``, ``nccl_built()``... (one answer:
+    :mod:`hora._util.build_info`); hora's own engine is listed as what it is.
     """
     found = probes() if found is None else found
-    frameworks, transports = found["Frameworks"], found["Transports"]
+    frameworks = found["Frameworks"]
 
     def row(flag: bool, name: str) -> str:
         return f"    [{'X' if flag else ' '}] {name}"
@@ -176,14 +179,16 @@ def check_build_text(found: dict[str, list[Probe]] | None = None) -> str:
              row(False, "MXNet"),
              row(_found(frameworks, "JAX"), "JAX"),
              "", "Available Controllers:",
-             row(_found(transports, "mpi4py"), "MPI"),
-             row(True, "Gloo"),
+             row(build.MPI, "MPI"),
+             row(build.GLOO, "Gloo"),
+             row(True, build.ENGINE),
              "", "Available Tensor Operations:",
-             row(_found(transports, "torch.distributed nccl"), "NCCL"),
-             row(False, "DDL"),
-             row(False, "CCL"),
-             row(_found(transports, "mpi4py"), "MPI"),
-             row(True, "Gloo")]
+             row(bool(build.NCCL), "NCCL"),
+             row(build.DDL, "DDL"),
+             row(build.CCL, "CCL"),
+             row(build.MPI, "MPI"),
+             row(build.GLOO, "Gloo"),
+             row(True, build.ENGINE)]
     return "\n".join(lines) + "\n"
 
 
