@@ -28,7 +28,7 @@ from hora.collectives.adasum import FLOAT_DTYPES, check_size
 from hora.collectives.ops import ReduceOp, check_dtype, dtype_name, scale_inplace
 from hora.core import context
 from hora.core.entry import Entry
-from hora.core.handle import Handle
+from hora.core.handle import Handle, join_handles
 from hora.core.messages import OpKind, Request
 from hora.core.process_set import ProcessSet, global_process_set
 from hora.errors import HorovodInternalError
@@ -151,55 +151,20 @@ def grouped_allreduce_async(tensors: Sequence[Any], *, name: str | None = None,
                             op: int = ReduceOp.Average, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set,
-                            inplace: bool = False, device: str = "cpu") -> Handle:
-    """Allreduce a list of tensors as one group; resolves to the list of results."""
+                            inplace: bool = False, device: str = "cpu",
+                            sync: bool = False) -> Handle:
+    """Allreduce a list of tensors as one group; resolves to the list of results. ``sync``:
+    the caller waits at once (it then drives the members' fast lane itself)."""
     ctx = context.get("grouped_allreduce")
     base = ctx.engine.names.base("grouped_allreduce", name, process_set.process_set_id or 0)
     n = len(tensors)
     members = [allreduce_async(t, name=f"{base}_{i + 1}of{n}", op=op,
                                prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                                process_set=process_set, inplace=inplace,
-                               prefix="grouped_allreduce", device=device,
+                               prefix="grouped_allreduce", device=device, sync=sync,
                                group=f"grouped_allreduce.{base}")
                for i, t in enumerate(tensors)]
-    return _join_handles(f"grouped_allreduce.{base}", members)
-
-
-def _join_handles(name: str, members: list[Handle]) -> Handle:
-    group = Handle(name)
-    if not members:
-        group.set_result([])
-        return group
-    remaining = [len(members)]
-
-    def one_done(_h: Handle) -> None:
-        remaining[0] -= 1
-        if remaining[0] == 0:
-            try:
-                group.set_result([m.wait(0) for m in members])
-            except BaseException as exc:  # noqa: BLE001 - propagate the first failure
-                group.set_error(exc)
-
-    for m in members:
-        m.add_done_callback(one_done)
-    reported: list[tuple[Callable[[Handle, bool], None], Handle]] = []
-
-    def watch(_group: Handle, blocked: bool) -> None:
-        """A wait on the group is a wait on its first unfinished member (deadlock detection);
-        the member's own watch is kept, since a finished member's handle drops it."""
-        if blocked:
-            for m in members:
-                member_watch = m.watch
-                if not m.done() and member_watch is not None:
-                    reported.append((member_watch, m))
-                    member_watch(m, True)
-                    return
-        elif reported:
-            member_watch, member = reported.pop()
-            member_watch(member, False)
-
-    group.watch = watch
-    return group
+    return join_handles(f"grouped_allreduce.{base}", members)
 
 
 def allgather_async(tensor: Any, *, name: str | None = None,
@@ -306,7 +271,7 @@ def grouped_allgather_async(tensors: Sequence[Any], *, name: str | None = None,
                                prefix="grouped_allgather", device=device,
                                group=f"grouped_allgather.{base}")
                for i, t in enumerate(tensors)]
-    return _join_handles(f"grouped_allgather.{base}", members)
+    return join_handles(f"grouped_allgather.{base}", members)
 
 
 def grouped_reducescatter_async(tensors: Sequence[Any], *, name: str | None = None,
@@ -325,7 +290,7 @@ def grouped_reducescatter_async(tensors: Sequence[Any], *, name: str | None = No
                                    prefix="grouped_reducescatter", device=device,
                                group=f"grouped_reducescatter.{base}")
                for i, t in enumerate(tensors)]
-    return _join_handles(f"grouped_reducescatter.{base}", members)
+    return join_handles(f"grouped_reducescatter.{base}", members)
 
 
 def sparse_allreduce_async(values: Any, indices: Any, *, name: str,
@@ -347,7 +312,7 @@ def sparse_allreduce_async(values: Any, indices: Any, *, name: str,
                                device=device)
     h_indices = allgather_async(indices, name=f"{name}.indices", process_set=process_set,
                                 device=device)
-    both = _join_handles(f"sparse_allreduce.{name}", [h_values, h_indices])
+    both = join_handles(f"sparse_allreduce.{name}", [h_values, h_indices])
     out = Handle(both.name)
 
     def finish(h: Handle) -> None:

@@ -213,4 +213,47 @@ class HandleTable:
             self._next = 1
 
 
-__all__ = ["DerivedHandle", "Handle", "HandleTable", "HoraInternalError"]
+def join_handles(name: str, members: list[Handle]) -> Handle:
+    """One handle for a group of ops (grouped collectives, sparse allreduce): it resolves to
+    the list of the members' results, or to the first member's error."""
+    group = Handle(name)
+    if not members:
+        group.set_result([])
+        return group
+    remaining = [len(members)]
+
+    def one_done(_h: Handle) -> None:
+        remaining[0] -= 1
+        if remaining[0] == 0:
+            try:
+                group.set_result([m.wait(0) for m in members])
+            except BaseException as exc:  # noqa: BLE001 - propagate the first failure
+                group.set_error(exc)
+
+    for m in members:
+        m.add_done_callback(one_done)
+    reported: list[tuple[Callable[[Handle, bool], None], Handle]] = []
+
+    def watch(_group: Handle, blocked: bool) -> None:
+        """A wait on the group is a wait on its first unfinished member (deadlock detection);
+        the member's own watch is kept, since a finished member's handle drops it."""
+        if blocked:
+            for m in members:
+                member_watch = m.watch
+                if not m.done() and member_watch is not None:
+                    reported.append((member_watch, m))
+                    member_watch(m, True)
+                    return
+        elif reported:
+            member_watch, member = reported.pop()
+            member_watch(member, False)
+
+    group.watch = watch
+    # Members in a fast lane: waiting on the group runs the lane on the waiting thread, as a
+    # member's own wait would (one lane per set: any member's driver is the set's).
+    group.driver = next((m.driver for m in members if m.driver is not None), None)
+    return group
+
+
+
+__all__ = ["DerivedHandle", "Handle", "HandleTable", "HoraInternalError", "join_handles"]

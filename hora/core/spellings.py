@@ -141,7 +141,7 @@ def _grouped_allreduce(bridge: Bridge, inplace: bool, sync: bool, tensors: Seque
                                     op=api.resolve_op(op, average),
                                     prescale_factor=prescale_factor,
                                     postscale_factor=postscale_factor, process_set=process_set,
-                                    inplace=inplace, device=device)
+                                    inplace=inplace, device=device, sync=sync)
     return h, _many(bridge, hosts, inplace)
 
 
