@@ -1,19 +1,16 @@
-"""The framework-neutral collective suite (tests/torch/collective_suite.py, also run through
+"""The framework-neutral collective suite (tests/collective_suite.py, also run through
 hora.torch, hora.tensorflow and hora.jax) through hora's numpy API, in one real 3-rank job."""
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 from _case_jobs import CaseJob, run_job
 
 HERE = Path(__file__).resolve().parent
-SUITE_DIR = HERE.parent / "torch"
-sys.path.insert(0, str(SUITE_DIR))
-import collective_suite  # noqa: E402  (framework-free; lives beside the torch cases)
+import collective_suite  # noqa: E402  (tests/: framework-free)
 
 from .numpy_suite import NumpyFactory  # noqa: E402
 
@@ -23,7 +20,7 @@ CASE_IDS = [case_id for case_id, _ in collective_suite.cases(NumpyFactory())]
 JOB_ENV = {
     "HOROVOD_STALL_CHECK_TIME_SECONDS": "5", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "20",
     "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(SUITE_DIR), str(HERE.parent), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        [str(HERE.parent), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
 }
 
 

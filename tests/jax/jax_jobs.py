@@ -28,7 +28,7 @@ needs_jax = pytest.mark.skipif(not HAVE_JAX, reason="jax/optax are not installed
 JOB_ENV = {
     "HOROVOD_STALL_CHECK_TIME_SECONDS": "5", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "20",
     "OMP_NUM_THREADS": "1", "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu",
-    "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent / "torch"), str(HERE.parent),
+    "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent),
                                    os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
 }
 

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import sys
 
-import pytest
-from jax_jobs import HERE, NP, CaseJob, needs_jax, run_cases
-
-sys.path.append(str(HERE.parent / "torch"))  # the framework-neutral collective suite
 import jax_case_ids  # noqa: E402 - needs the path above
+import pytest
+from jax_jobs import NP, CaseJob, needs_jax, run_cases
 
 pytestmark = [pytest.mark.integration, needs_jax]
 

@@ -4,13 +4,9 @@ process never imports TensorFlow: the case ids come from :mod:`tf_case_ids`."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-from tf_jobs import HERE, NP, CaseJob, needs_tf, run_cases
-
-sys.path.append(str(HERE.parent / "torch"))  # the framework-neutral collective suite
 import tf_case_ids  # noqa: E402 - needs the path above
+from tf_jobs import NP, CaseJob, needs_tf, run_cases
 
 pytestmark = [pytest.mark.integration, needs_tf]
 

@@ -30,7 +30,7 @@ JOB_ENV = {
     "HOROVOD_STALL_CHECK_TIME_SECONDS": "5", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "20",
     "OMP_NUM_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1",
     "TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": "tensorflow",
-    "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent / "torch"), str(HERE.parent),
+    "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent),
                                    os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
 }
 
