@@ -9,7 +9,6 @@ rules; see :mod:`hora.core.api` for the shared contract.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -38,6 +37,7 @@ from hora.core.api import (
 )
 from hora.core.context import init, is_initialized, shutdown
 from hora.core.handle import Handle
+from hora.core.host_bridge import HostBridge
 from hora.core.objects import allgather_object
 from hora.core.process_set import ProcessSet, global_process_set
 from hora.errors import (
@@ -149,26 +149,9 @@ def stop_timeline() -> None:
 
 
 # ---- collectives on numpy arrays -------------------------------------------------------------
-class _NumpyBridge:
-    """The numpy side of :mod:`hora.core.spellings`: arrays are the core's own buffers."""
-
-    passthrough = True
-
-    def host(self, tensor: Any, table: str) -> _sp.Host:
-        return _sp.Host(tensor if isinstance(tensor, np.ndarray) else np.asarray(tensor), "cpu",
-                        tensor)
-
-    def hosts(self, tensors: Sequence[Any], table: str) -> tuple[list[_sp.Host], str]:
-        return [self.host(t, table) for t in tensors], "cpu"
-
-    def result(self, like: _sp.Host, out: Any) -> Any:
-        return out
-
-    def written(self, host: _sp.Host, out: Any) -> Any:
-        return out
-
-    def splits(self, splits: Any) -> list[int] | None:
-        return None if splits is None else [int(s) for s in np.asarray(splits).reshape(-1)]
+class _NumpyBridge(HostBridge):
+    """The numpy side of :mod:`hora.core.spellings`: arrays are the core's own buffers (every
+    dtype the core supports; received alltoall splits as the core gives them)."""
 
     def received_splits(self, splits: Any, received: np.ndarray) -> Any:
         return received

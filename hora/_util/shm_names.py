@@ -84,8 +84,13 @@ def job_segments(job_id: str | None, shm_dir: str = SHM_DIR) -> list[str]:
 def remove_job_segments(job_id: str | None, shm_dir: str = SHM_DIR) -> list[str]:
     """Unlink every segment of ``job_id`` (ranks that were killed leave theirs); returns the
     paths removed."""
+    return remove(job_segments(job_id, shm_dir))
+
+
+def remove(paths: list[str]) -> list[str]:
+    """Unlink ``paths``; returns those removed (already gone is not an error)."""
     removed = []
-    for path in job_segments(job_id, shm_dir):
+    for path in paths:
         try:
             os.unlink(path)
             removed.append(path)

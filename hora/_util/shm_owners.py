@@ -22,7 +22,7 @@ import os
 import struct
 from dataclasses import dataclass
 
-from hora._util.shm_names import PREFIX, SHM_DIR
+from hora._util.shm_names import PREFIX, SHM_DIR, remove
 
 log = logging.getLogger(__name__)
 
@@ -116,20 +116,6 @@ def stale_segments(shm_dir: str = SHM_DIR, *, orphans: bool = False) -> list[str
         if stem in dead or (orphans and stem not in owners):
             found.append(os.path.join(shm_dir, name))
     return sorted(found)
-
-
-def remove(paths: list[str]) -> list[str]:
-    """Unlink ``paths``; returns those removed (already gone is not an error)."""
-    removed = []
-    for path in paths:
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("could not remove shared memory segment %s: %s", path, exc)
-    return removed
 
 
 def sweep(shm_dir: str = SHM_DIR) -> list[str]:

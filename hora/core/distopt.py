@@ -9,7 +9,7 @@ allreduce (``gradient_predivide_factor``).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -90,6 +90,18 @@ def default_names(group_sizes: Sequence[int]) -> list[str]:
     """Names for parameters when ``named_parameters`` is None:
     ``allreduce.noname.<group>.<index>`` (unique across param groups)."""
     return [f"allreduce.noname.{g}.{i}" for g, n in enumerate(group_sizes) for i in range(n)]
+
+
+def parameter_names(groups: Sequence[Sequence[Any]], named: Iterable[Any] | None
+                    ) -> dict[Any, str]:
+    """Each parameter of an optimizer's param groups -> its allreduce name: from
+    ``named_parameters`` (checked, :func:`check_named_parameters`) or :func:`default_names`."""
+    all_params = [p for group in groups for p in group]
+    if named is not None:
+        pairs = check_named_parameters(list(named), all_params)
+    else:
+        pairs = list(zip(default_names([len(group) for group in groups]), all_params))
+    return {p: n for n, p in pairs}
 
 
 def split_list(items: Sequence[T], parts: int) -> list[list[T]]:

@@ -55,12 +55,8 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self.op = ReduceOp.Adasum
         all_params = [p for group in self.param_groups for p in group["params"]]
-        if named_parameters is not None:
-            named = distopt.check_named_parameters(list(named_parameters), all_params)
-        else:
-            sizes = [len(group["params"]) for group in self.param_groups]
-            named = list(zip(distopt.default_names(sizes), all_params))
-        self._parameter_names: dict[torch.Tensor, str] = {p: n for n, p in named}
+        self._parameter_names: dict[torch.Tensor, str] = distopt.parameter_names(
+            [group["params"] for group in self.param_groups], named_parameters)
         self._allreduce_delay = {p: backward_passes_per_step for p in all_params}
         self._starts = {p: torch.zeros_like(p, requires_grad=False) for p in all_params}
         self._handles: dict[torch.Tensor, tuple[Any, Any]] = {}

@@ -70,12 +70,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.process_set = process_set
 
         all_params = [p for group in self.param_groups for p in group["params"]]
-        if named_parameters is not None:
-            named = distopt.check_named_parameters(list(named_parameters), all_params)
-        else:
-            sizes = [len(group["params"]) for group in self.param_groups]
-            named = list(zip(distopt.default_names(sizes), all_params))
-        self._parameter_names: dict[torch.Tensor, str] = {p: n for n, p in named}
+        self._parameter_names: dict[torch.Tensor, str] = distopt.parameter_names(
+            [group["params"] for group in self.param_groups], named_parameters)
         self._allreduce_delay: dict[torch.Tensor, int] = {
             p: backward_passes_per_step for p in all_params}
         self._handles: dict[Any, tuple[Any, Any]] = {}
