@@ -68,3 +68,26 @@ def run_job(np_: int, args: list[str], env: Mapping[str, str], cwd: Path,
         except ProcessLookupError:
             pass
     return CaseJob(np_, proc.returncode, out, err)
+
+
+def spawn_ranks(argv: list[str], envs: list[dict[str, str]], timeout: float = 60.0
+                ) -> list[tuple[int, str]]:
+    """Start one process per env (``os.environ`` without HORA_* / HOROVOD_*, plus the env), as
+    an external launcher (torchrun, mpirun) would; their (returncode, output), in order. Every
+    process group is killed at the end."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True, env={**base, **e}) for e in envs]
+    results = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            results.append((p.returncode, out))
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return results
+

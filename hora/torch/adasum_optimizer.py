@@ -44,12 +44,9 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, named_parameters: Iterable[Any] | None,
                  compression: type[Compressor], backward_passes_per_step: int,
                  base_kwargs: dict[str, Any], state: dict[Any, Any]) -> None:
-        try:
-            self._hora_base.__init__(self, params, **base_kwargs)
-        except TypeError:  # a custom __init__ that does not take its defaults back as kwargs
-            self._hora_base.__init__(self, params)
-        for p, s in state.items():
-            self.state[p] = s
+        from hora.torch.optimizer import init_wrapped  # (it imports this module lazily)
+
+        init_wrapped(self, params, base_kwargs, state)
         check_size(hora.size())
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step

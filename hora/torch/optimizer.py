@@ -45,6 +45,18 @@ _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize(
                     "optimizer.synchronize() in your code.")
 
 
+def init_wrapped(opt: Any, params: Any, base_kwargs: dict[str, Any],
+                 state: dict[Any, Any]) -> None:
+    """Run the wrapped optimizer class's ``__init__`` on ``opt`` (the runtime subclass) with
+    the original's options, and take over the original's state."""
+    try:
+        opt._hora_base.__init__(opt, params, **base_kwargs)
+    except TypeError:  # a custom __init__ that does not take its defaults back as kwargs
+        opt._hora_base.__init__(opt, params)
+    for p, s in state.items():
+        opt.state[p] = s
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into the runtime subclass of the wrapped optimizer's class."""
 
@@ -56,12 +68,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  gradient_predivide_factor: float, groups: Any, sparse_as_dense: bool,
                  process_set: ProcessSet, base_kwargs: dict[str, Any],
                  state: dict[Any, Any]) -> None:
-        try:
-            self._hora_base.__init__(self, params, **base_kwargs)
-        except TypeError:  # a custom __init__ that does not take its defaults back as kwargs
-            self._hora_base.__init__(self, params)
-        for p, s in state.items():
-            self.state[p] = s
+        init_wrapped(self, params, base_kwargs, state)
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self.op = ReduceOp(op)

@@ -117,30 +117,16 @@ def test_join_uneven_data() -> None:
 
 def _spawn_all(envs: list[dict[str, str]], scenario: str, timeout: float = 60) -> list[str]:
     """Start one worker per env dict ourselves (no hora run), as an external launcher would."""
-    import os
-    import signal
-    import subprocess
     import sys
+
+    from _case_jobs import spawn_ranks
 
     from .conftest import WORKER
 
-    procs = [subprocess.Popen([sys.executable, WORKER, scenario], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                              env={**{k: v for k, v in os.environ.items()
-                                      if not k.startswith(("HORA_", "HOROVOD_"))}, **e})
-             for e in envs]
     outs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            assert p.returncode == 0, out
-            outs.append(out)
-    finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    for code, out in spawn_ranks([sys.executable, WORKER, scenario], envs, timeout):
+        assert code == 0, out
+        outs.append(out)
     return outs
 
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _case_jobs import spawn_ranks
 
 from hora._util import shm_owners
 from hora._util.net import free_port
@@ -48,21 +49,7 @@ def _torchrun_envs(n: int, job_id: str) -> list[dict[str, str]]:
 def _spawn(envs: list[dict[str, str]], scenario: str, timeout: float = 60
            ) -> list[tuple[int, str]]:
     """One worker per env, as an external launcher would start them; (returncode, output)."""
-    procs = [subprocess.Popen([sys.executable, WORKER, scenario], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                              env=e) for e in envs]
-    results = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            results.append((p.returncode, out))
-    finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    return results
+    return spawn_ranks([sys.executable, WORKER, scenario], envs, timeout)
 
 
 def test_survivors_remove_a_sigkilled_peers_segments_under_torchrun_env() -> None:
