@@ -30,6 +30,7 @@ from hora.collectives.ops import ReduceOp
 from hora.core import distopt
 from hora.torch import ops
 from hora.torch.compression import Compressor
+from hora.torch.wrapping import init_wrapped
 
 _ZERO_GRAD_PENDING = ("optimizer.zero_grad() was called after loss.backward() but before "
                       "optimizer.step(). This is prohibited as it can cause a race condition.")
@@ -44,8 +45,6 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, named_parameters: Iterable[Any] | None,
                  compression: type[Compressor], backward_passes_per_step: int,
                  base_kwargs: dict[str, Any], state: dict[Any, Any]) -> None:
-        from hora.torch.optimizer import init_wrapped  # (it imports this module lazily)
-
         init_wrapped(self, params, base_kwargs, state)
         check_size(hora.size())
         self._compression = compression

@@ -30,6 +30,7 @@ from hora.core import objects as _objects
 from hora.core.process_set import ProcessSet, global_process_set
 from hora.torch import ops
 from hora.torch.compression import Compression, Compressor
+from hora.torch.wrapping import init_wrapped
 
 log = get_logger(__name__)
 
@@ -43,18 +44,6 @@ _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize(
                     "optimizer.synchronize(). This can cause training slowdown. You may want to "
                     "consider using optimizer.skip_synchronize() context if you use "
                     "optimizer.synchronize() in your code.")
-
-
-def init_wrapped(opt: Any, params: Any, base_kwargs: dict[str, Any],
-                 state: dict[Any, Any]) -> None:
-    """Run the wrapped optimizer class's ``__init__`` on ``opt`` (the runtime subclass) with
-    the original's options, and take over the original's state."""
-    try:
-        opt._hora_base.__init__(opt, params, **base_kwargs)
-    except TypeError:  # a custom __init__ that does not take its defaults back as kwargs
-        opt._hora_base.__init__(opt, params)
-    for p, s in state.items():
-        opt.state[p] = s
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
