@@ -93,6 +93,17 @@ class HostsUpdatedInterrupt(RuntimeError):
         self.skip_sync = skip_sync
 
 
+class DiscoveryError(HoraError, RuntimeError):
+    """Elastic: the host discovery script failed, timed out, or printed a line that is not
+    ``<hostname>[:<slots>]`` (the message names the script, the line and the fix)."""
+
+
+class ElasticError(HoraError, RuntimeError):
+    """Elastic: the job cannot go on (too few workers within the elastic timeout, the reset
+    limit was reached, every host is blacklisted, or this worker was removed); the message says
+    what was waited for and what to change."""
+
+
 class ProtocolError(HoraInternalError):
     """A control message could not be parsed (corrupt, or not from hora)."""
 
@@ -131,6 +142,8 @@ __all__ = [
     "AuthenticationError",
     "ConfigError",
     "DeadlockError",
+    "DiscoveryError",
+    "ElasticError",
     "FrameError",
     "HostCheckError",
     "HoraError",
