@@ -19,12 +19,16 @@ ALLOWED: dict[str, set[str]] = {
     "hora.core": BASE | {"hora.core", "hora.collectives", "hora.transports", "hora.rendezvous",
                          "hora.timeline"},
     "hora.runner": BASE | {"hora.runner", "hora.rendezvous", "hora.timeline"},
-    "hora.torch": BASE | {"hora.torch", "hora.core", "hora.collectives.ops", "hora"},
-    "hora.tensorflow": BASE | {"hora.tensorflow", "hora.core", "hora.collectives.ops", "hora"},
-    "hora.jax": BASE | {"hora.jax", "hora.core", "hora.collectives.ops", "hora"},
-    "hora.keras": BASE | {"hora.keras", "hora.tensorflow", "hora"},
+    # elastic's worker side: states and the loop, above the core, below the adapters
+    "hora.elastic": BASE | {"hora.elastic", "hora.core", "hora.rendezvous"},
+    "hora.torch": BASE | {"hora.torch", "hora.core", "hora.collectives.ops", "hora.elastic",
+                          "hora"},
+    "hora.tensorflow": BASE | {"hora.tensorflow", "hora.core", "hora.collectives.ops",
+                               "hora.elastic", "hora"},
+    "hora.jax": BASE | {"hora.jax", "hora.core", "hora.collectives.ops", "hora.elastic", "hora"},
+    "hora.keras": BASE | {"hora.keras", "hora.tensorflow", "hora.elastic", "hora"},
     # hora.run (Horovod's horovod.run) imports the launcher's Python API lazily, on first call.
-    "hora": BASE | {"hora.core", "hora.collectives.ops", "hora.runner.api"},
+    "hora": BASE | {"hora.core", "hora.collectives.ops", "hora.runner.api", "hora.elastic"},
 }
 
 

@@ -24,7 +24,12 @@ from hora.core import process_set as process_set_mod
 from hora.core.engine import Engine
 from hora.core.handle import HandleTable
 from hora.core.process_set import ProcessSet, Registry, global_process_set
-from hora.errors import NotInitializedError, RendezvousError
+from hora.errors import (
+    HoraInternalError,
+    NotInitializedError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
 from hora.rendezvous.topology import compute_topology
 from hora.transports.base import Transport
 
@@ -49,6 +54,10 @@ class Context:
     handles: HandleTable = field(default_factory=HandleTable)
     closers: list[Any] = field(default_factory=list)
 
+
+ELASTIC_CONNECT_IDLE_S = 15.0
+"""Seconds an elastic generation's connection may go without progress before its members ask
+the driver for the next generation."""
 
 _ctx: Context | None = None
 _lock = threading.RLock()
@@ -105,41 +114,21 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         config = config_mod.load()
         dynamic = dynamic or config.dynamic_process_sets
         hlog.configure(config.log_level, config.log_hide_time)
-        from hora.rendezvous.env import detect
-        from hora.rendezvous.store_bootstrap import bootstrap
+        from hora.rendezvous import elastic
 
-        info = detect()
-        hlog.set_rank(info.rank, info.size)
-        if info.rank == 0:
-            _warn_unknown_horovod_vars()
-        _generation += 1
-        closers: list[Any] = []
-        transport: Transport
-        if info.size == 1 and info.launcher == "single":
-            from hora.transports.loopback import make_world
-
-            transport = make_world(1, timeout=config.timeout_seconds)[0]
-            hostnames = [info.hostname]
-        else:
-            store, server = bootstrap(info, timeout=config.start_timeout)
-            closers.extend(c for c in (store, server) if c is not None)
-            if store is None:
-                raise RendezvousError("no rendezvous store for a multi-rank job")
-            from hora.transports.tcp import TcpTransport
-
-            try:
-                transport = TcpTransport.create(
-                    info.rank, info.size, store, scope=f"hora.init.{_generation}",
-                    secret=info.secret, bind_host=_bind_host(info.store_host or "", config),
-                    hostname=info.hostname, timeout=config.timeout_seconds,
-                    connect_timeout=config.start_timeout, connect_cap=config.start_timeout_cap)
-            except BaseException:
-                for c in closers:
-                    c.close()
-                raise
-            hostnames = list(transport.hostnames)
-            _check_process_sets(store, f"hora.init.{_generation}", info.rank, info.size, sets,
-                                dynamic, transport, closers)
+        session = elastic.session()
+        while True:
+            _generation += 1
+            scope = f"hora.init.{_generation}"
+            if session is not None:
+                assignment = session.join()
+                os.environ.update(assignment.environment())
+                scope = assignment.scope
+            info, transport, hostnames, closers = _connect(config, scope, sets, dynamic,
+                                                           elastic=session is not None)
+            if transport is not None:
+                break
+        assert transport is not None
         slot = compute_topology(hostnames)[info.rank]
 
         def pick(value: int | None, computed: int) -> int:
@@ -172,6 +161,56 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
             _atexit_registered = True
         log.debug("initialized: rank %d of %d on %s (launcher %s)", info.rank, info.size,
                   info.hostname, info.launcher)
+
+
+def _connect(config: Config, scope: str, sets: list[ProcessSet], dynamic: bool, *,
+             elastic: bool) -> tuple[Any, Transport | None, list[str], list[Any]]:
+    """Meet the other ranks under ``scope`` and connect to them. An elastic worker whose
+    generation could not connect (a member died meanwhile) gets ``None`` as transport and asks
+    the driver for the next generation; any other failure raises."""
+    from hora.rendezvous.env import detect
+    from hora.rendezvous.store_bootstrap import bootstrap
+
+    info = detect()
+    hlog.set_rank(info.rank, info.size)
+    if info.rank == 0:
+        _warn_unknown_horovod_vars()
+    closers: list[Any] = []
+    transport: Transport
+    if info.size == 1 and info.launcher == "single":
+        from hora.transports.loopback import make_world
+
+        transport = make_world(1, timeout=config.timeout_seconds)[0]
+        return info, transport, [info.hostname], closers
+    store, server = bootstrap(info, timeout=config.start_timeout)
+    closers.extend(c for c in (store, server) if c is not None)
+    if store is None:
+        raise RendezvousError("no rendezvous store for a multi-rank job")
+    from hora.transports.tcp import TcpTransport
+
+    # An elastic generation's members are all running already: one that does not show up
+    # within seconds died after the driver formed the generation.
+    idle = min(config.start_timeout, ELASTIC_CONNECT_IDLE_S) if elastic else config.start_timeout
+    try:
+        transport = TcpTransport.create(
+            info.rank, info.size, store, scope=scope, secret=info.secret,
+            bind_host=_bind_host(info.store_host or "", config), hostname=info.hostname,
+            timeout=config.timeout_seconds, connect_timeout=idle,
+            connect_cap=config.start_timeout_cap)
+    except (HoraInternalError, RendezvousTimeoutError) as exc:
+        for c in closers:
+            c.close()
+        if not elastic:
+            raise
+        log.warning("this generation of the elastic job could not connect (%s); asking the "
+                    "driver for the next one", exc)
+        return info, None, [], []
+    except BaseException:
+        for c in closers:
+            c.close()
+        raise
+    _check_process_sets(store, scope, info.rank, info.size, sets, dynamic, transport, closers)
+    return info, transport, list(transport.hostnames), closers
 
 
 _warned_vars: set[str] = set()

@@ -1,0 +1,88 @@
+"""The elastic training loop: ``@hvd.elastic.run`` (framework-neutral; adapters bind ``reset``).
+
+::
+
+    @hvd.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, epochs):
+            ...            # collectives
+            state.commit()
+
+    train(state)
+
+The wrapper loops: ``state.sync()`` (skipped when only hosts were removed), then ``func(state)``.
+
+* a collective fails (:class:`~hora.errors.HorovodInternalError`: a peer died or stalled):
+  ``state.restore()`` rolls back to the last commit, then the world is rebuilt without the lost
+  worker and ``func`` runs again from there;
+* ``commit()`` finds that hosts changed (:class:`~hora.errors.HostsUpdatedInterrupt`): no
+  rollback; the world is rebuilt with the newcomers, who get the state in the next ``sync()``;
+* anything else propagates (the worker exits, the driver counts a failure).
+
+Rebuilding is ``shutdown()`` then ``init()``: the worker tells the driver it is ready and gets
+its rank in the new generation (see :mod:`hora.rendezvous.elastic`).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from hora._util.log import get_logger
+from hora.elastic.state import State
+from hora.errors import HorovodInternalError, HostsUpdatedInterrupt
+
+log = get_logger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def run_fn(func: F, reset: Callable[[], None]) -> F:
+    """Wrap ``func(state, *args, **kwargs)`` in the elastic loop; ``reset`` rebuilds the world
+    (``shutdown(); init()`` of the adapter)."""
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(state, State):
+            raise TypeError(f"the first argument of an @elastic.run function must be an elastic "
+                            f"State (TorchState, ObjectState, ...), not {type(state).__name__}")
+        skip_sync = False
+        while True:
+            try:
+                if not skip_sync:
+                    state.sync()
+                return func(state, *args, **kwargs)
+            except HorovodInternalError as exc:
+                failed = time.monotonic()
+                log.warning("a collective failed (%s); rolling back to the last commit and "
+                            "rebuilding the world", _first_line(exc))
+                state.restore()
+                skip_sync = False
+            except HostsUpdatedInterrupt as exc:
+                failed = time.monotonic()
+                log.info("hosts changed; rebuilding the world%s",
+                         " (only removals: no state sync)" if exc.skip_sync else "")
+                skip_sync = exc.skip_sync
+            reset()
+            state.on_reset()
+            log.info("world rebuilt in %.2f s", time.monotonic() - failed)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def reset() -> None:
+    """Leave the current world and join the next one (``shutdown()`` then ``init()``)."""
+    from hora.core import context
+
+    context.shutdown()
+    context.init()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+__all__ = ["reset", "run_fn"]
