@@ -1,0 +1,1 @@
+"""Elastic mode of `hora run`: host discovery, host health, and the driver."""
