@@ -39,7 +39,7 @@ from hora.config import KNOBS_BY_NAME, Config, cli_value_to_env, load
 from hora.errors import ConfigError
 from hora.rendezvous.kvstore import KVStoreServer
 from hora.rendezvous.topology import Slot, compute_topology
-from hora.runner import local, network, ssh
+from hora.runner import network, processes, ssh
 from hora.runner.hosts import HostSlots, assign_hosts, is_local_host, parse_hostfile, parse_hosts
 from hora.runner.local import CONSOLE, Console, RankLaunch, run_local
 
@@ -236,7 +236,7 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None,
         hosts=tuple(dict.fromkeys(s.hostname for s in slots if not is_local_host(s.hostname))),
         options=ssh.SshOptions(spec.ssh_port, spec.ssh_identity_file,
                                connect_timeout=min(10.0, config.start_timeout)),
-        python=sys.executable, grace=max(0.5, local.GRACE_PERIOD_S - 1.0))
+        python=sys.executable, grace=max(0.5, processes.GRACE_PERIOD_S - 1.0))
     if remote.hosts:
         ssh.ssh_program()  # no ssh client: a clear error before anything starts
         key = spec.ssh_identity_file

@@ -23,158 +23,35 @@ Launcher messages go to stderr with a ``[hora]`` prefix through :func:`say`.
 
 from __future__ import annotations
 
-import collections
-import ctypes
 import os
 import queue
 import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import BinaryIO
 
 from hora._util.shm_names import SHM_DIR, remove_job_segments
-from hora.rendezvous.topology import Slot
 from hora.runner.failures import WorkerFailure, exit_status, signal_name
 from hora.runner.output import (  # re-exported: the launcher's output (__all__)
     CONSOLE,
     Console,
-    _Relay,
     rank_output_dir,
     say,
 )
-
-GRACE_PERIOD_S = 5.0
-"""Seconds between SIGTERM and SIGKILL when the launcher stops ranks (Horovod's value)."""
-
-STDERR_TAIL_LINES = 10
-"""Lines of a failed rank's stderr repeated in the root-cause message."""
+from hora.runner.processes import (  # re-exported: RankLaunch, GRACE_PERIOD_S (__all__)
+    GRACE_PERIOD_S,
+    RankLaunch,
+    StartError,
+    _live_groups,
+    _parent_death_signal,
+    _Worker,
+    spawn,
+    stop_workers,
+)
 
 _RELAY_JOIN_S = 5.0
-_POLL_S = 0.05
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-@dataclass(frozen=True)
-class RankLaunch:
-    """One process to start: where it sits in the job and its complete environment.
-
-    ``argv`` replaces the job's command for this rank (e.g. the ``ssh`` that starts a remote
-    rank); ``stdin``, when given, is written to the process's stdin, which then stays open
-    until the launcher stops the rank by closing it; ``before_start`` is called just before the
-    process starts (e.g. to pace ssh connections to one host).
-    """
-
-    slot: Slot
-    env: Mapping[str, str]
-    argv: Sequence[str] | None = None
-    stdin: bytes | None = field(default=None, repr=False)
-    before_start: Callable[[], None] | None = None
-
-
-def _resolve(program: str, env: Mapping[str, str]) -> str:
-    """The file ``program`` names for a process started with ``env`` (PATH lookup)."""
-    import shutil
-
-    found = shutil.which(program, path=env.get("PATH", os.defpath))
-    return os.path.abspath(found) if found else program
-
-
-@dataclass
-class _Worker:
-    slot: Slot
-    proc: subprocess.Popen[bytes]
-    tail: collections.deque[str] = field(
-        default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
-    relays: list[_Relay] = field(default_factory=list)
-    release: threading.Event | None = None  # set: close stdin (stops a rank with a request)
-    program: str = ""  # the executable a local rank ran (resolved on its PATH), for hints
-
-    @property
-    def rank(self) -> int:
-        return self.slot.rank
-
-    def ask_to_stop(self) -> None:
-        """SIGTERM the rank's process group, or close its stdin if it was given a request."""
-        if self.release is not None:
-            self.release.set()
-        else:
-            _killpg(self.proc.pid, signal.SIGTERM)
-
-
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A ``preexec_fn`` asking Linux to SIGTERM the child if the launcher dies, else None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-    pr_set_pdeathsig = 1
-
-    def preexec() -> None:  # runs in the child between fork and exec: keep it minimal
-        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent:  # the launcher died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec
-
-
-def _live_groups(pgids: Collection[int]) -> set[int]:
-    """Those of ``pgids`` that still have a process in them (zombies do not count)."""
-    wanted = {str(g): g for g in pgids}
-    proc = Path("/proc")
-    if not proc.is_dir():  # not Linux: zombies count, which only delays the SIGKILL
-        live = set()
-        for pgid in pgids:
-            try:
-                os.killpg(pgid, 0)
-                live.add(pgid)
-            except (ProcessLookupError, PermissionError):
-                pass
-        return live
-    found: set[int] = set()
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        # fields[0] is the state, fields[2] the process group (proc(5))
-        if len(fields) > 2 and fields[2] in wanted and fields[0] not in ("Z", "X"):
-            found.add(wanted[fields[2]])
-    return found
-
-
-def _killpg(pgid: int, signum: int) -> None:
-    try:
-        os.killpg(pgid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _feed(worker: _Worker, data: bytes) -> None:
-    """Write a rank's request to its stdin, keep stdin open until ``worker.release`` is set."""
-    pipe = worker.proc.stdin
-    assert pipe is not None and worker.release is not None
-    try:
-        pipe.write(data)
-        pipe.flush()
-    except (OSError, ValueError):
-        pass  # the process already exited; its exit code tells why
-    worker.release.wait()
-    try:
-        pipe.close()
-    except (OSError, ValueError):
-        pass
 
 
 class _Supervisor:
@@ -219,78 +96,16 @@ class _Supervisor:
             if self._interrupt is not None:
                 return self._interrupted()
             try:
-                copies = self._open_copies(launch.slot.rank, size)
-            except OSError as exc:
-                self._console.say(f"cannot write the output of rank {launch.slot.rank} to "
-                                  f"{exc.filename}: {exc.strerror or exc}")
-                return 1
-            argv = self._command if launch.argv is None else list(launch.argv)
-            if launch.before_start is not None:
-                launch.before_start()
-            try:
-                proc = subprocess.Popen(
-                    argv, env=dict(launch.env),
-                    stdin=subprocess.DEVNULL if launch.stdin is None else subprocess.PIPE,
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                    # preexec only calls prctl / getppid / kill: it takes no Python-level lock,
-                    # so the fork-with-threads hazard does not apply.
-                    preexec_fn=preexec, close_fds=True)  # noqa: PLW1509
-            except OSError as exc:
-                for copy in copies.values():
-                    if copy is not None:
-                        copy.close()
-                message = (f"cannot start rank {launch.slot.rank}: {argv[0]!r}: "
-                           f"{exc.strerror or exc}")
-                code = 127 if isinstance(exc, FileNotFoundError) else 126
-                failure = WorkerFailure(
-                    rank=launch.slot.rank, size=len(self._ranks), hostname=launch.slot.hostname,
-                    returncode=code, start_error=message, command=tuple(argv))
-                self._console.say("\n".join([message, *failure.hints()]))
-                self._console.rank_failed(failure)
-                return code
-            worker = _Worker(slot=launch.slot, proc=proc, program="" if launch.argv is not None
-                             else _resolve(argv[0], launch.env))
+                worker = spawn(self._command, launch, launch.slot.rank, size=size,
+                               exits=self._exits, console=self._console,
+                               output_dir=self._output_dir, prefix_timestamp=self._timestamp,
+                               preexec=preexec)
+            except StartError as exc:
+                self._console.say("\n".join([exc.message, *exc.failure.hints()]))
+                self._console.rank_failed(exc.failure)
+                return exc.failure.returncode
             self._workers.append(worker)
-            self._start_relays(worker, copies)
-            if launch.stdin is not None:
-                worker.release = threading.Event()
-                threading.Thread(target=_feed, args=(worker, launch.stdin), daemon=True,
-                                 name=f"hora-stdin-{worker.rank}").start()
-            threading.Thread(target=self._reap, args=(worker,), daemon=True,
-                             name=f"hora-wait-{worker.rank}").start()
         return None
-
-    def _open_copies(self, rank: int, size: int) -> dict[str, BinaryIO | None]:
-        """The files that get a raw copy of the rank's stdout / stderr (--output-filename)."""
-        if self._output_dir is None:
-            return {"stdout": None, "stderr": None}
-        rank_dir = rank_output_dir(self._output_dir, rank, size)
-        rank_dir.mkdir(parents=True, exist_ok=True)
-        copies: dict[str, BinaryIO | None] = {}
-        try:
-            for name in ("stdout", "stderr"):
-                copies[name] = open(rank_dir / name, "wb")  # noqa: SIM115 (closed by the relay)
-        except OSError:
-            for copy in copies.values():
-                if copy is not None:
-                    copy.close()
-            raise
-        return copies
-
-    def _start_relays(self, worker: _Worker, copies: Mapping[str, BinaryIO | None]) -> None:
-        assert worker.proc.stdout is not None and worker.proc.stderr is not None
-        for name, pipe, tail in (("stdout", worker.proc.stdout, None),
-                                 ("stderr", worker.proc.stderr, worker.tail)):
-            relay = _Relay(pipe, worker.rank, name, self._console, copies[name], tail,
-                           self._timestamp)
-            relay.start()
-            worker.relays.append(relay)
-
-    def _reap(self, worker: _Worker) -> None:
-        code = worker.proc.wait()
-        if worker.release is not None:
-            worker.release.set()
-        self._exits.put((worker.rank, code))
 
     def _wait(self) -> int:
         by_rank = {w.rank: w for w in self._workers}
@@ -342,32 +157,16 @@ class _Supervisor:
             self._stop()
 
     def _stop(self, quiet: bool = False) -> None:
-        """Ask every worker to stop (SIGTERM its process group, or close its stdin), SIGKILL
-        what is left after the grace period."""
-        groups = [w.proc.pid for w in self._workers]
-        if not groups or (quiet and not _live_groups(groups)):
-            return
-        for worker in self._workers:
-            worker.ask_to_stop()
-        deadline = time.monotonic() + GRACE_PERIOD_S
-        while time.monotonic() < deadline and not self._kill_now:
-            if not _live_groups(groups):
-                return
-            time.sleep(_POLL_S)
-        for pgid in groups:
-            _killpg(pgid, signal.SIGKILL)
-        for worker in self._workers:
-            try:
-                worker.proc.wait(timeout=GRACE_PERIOD_S)
-            except subprocess.TimeoutExpired:
-                self._console.say(f"rank {worker.rank} (pid {worker.proc.pid}) did not die "
-                                  "after SIGKILL.")
+        """Ask every worker to stop, SIGKILL what is left after the grace period."""
+        stop_workers(self._workers, self._console, quiet=quiet,
+                     kill_now=lambda: self._kill_now)
 
     def _join_relays(self) -> None:
         deadline = time.monotonic() + _RELAY_JOIN_S
         for worker in self._workers:
             for relay in worker.relays:
                 relay.join(max(0.0, deadline - time.monotonic()))
+
 
 
 # ---- shared memory left by killed ranks ---------------------------------------------------------

@@ -64,7 +64,7 @@ def test_signal_to_the_launcher_stops_every_rank(tmp_path: Path, signum: int) ->
 
 def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path) -> None:
     # The launcher's grace period is a module constant; shorten it for this test.
-    shortened = ("import sys, hora.runner.local as local; local.GRACE_PERIOD_S = 1.0; "
+    shortened = ("import sys, hora.runner.processes as processes; processes.GRACE_PERIOD_S = 1.0; "
                  "from hora.runner.cli import main; sys.exit(main(sys.argv[1:]))")
     argv = [PY, "-c", shortened]
     code = (write_pid(pid_file(tmp_path)) + "\n"

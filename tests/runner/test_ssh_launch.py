@@ -31,7 +31,8 @@ WORKER = str(Path(__file__).with_name("multihost_worker.py"))
 
 PRELUDE = """\
 import sys
-import hora.runner.launch as launch, hora.runner.local as local, hora.runner.network as network
+import hora.runner.launch as launch, hora.runner.network as network
+import hora.runner.processes as processes
 launch.is_local_host = lambda host: not host.startswith("fake")
 launch._store_address = lambda remote, config: network.StoreAddress("127.0.0.1", "lo", "test")
 def _no_dns(host):
@@ -39,7 +40,7 @@ def _no_dns(host):
 network.resolve = _no_dns
 GRACE = GRACE_S
 if GRACE:
-    local.GRACE_PERIOD_S = GRACE
+    processes.GRACE_PERIOD_S = GRACE
 from hora.runner.cli import main
 sys.exit(main(sys.argv[1:]))
 """
