@@ -144,6 +144,10 @@ KNOBS: tuple[Knob, ...] = (
        "Network interface whose address the ranks use (default: loopback on one host)."),
     _k("hostname", str, "", None,
        "Host identity of this rank (set by the launcher; overrides the real host name)."),
+    _k("elastic_timeout", float, 600.0, "--elastic-timeout",
+       "Elastic mode: seconds the driver waits for at least --min-np workers (at start and after "
+       "a failure) before it ends the job with a message; also how long a worker that does not "
+       "rejoin after a reset is waited for."),
     _k("elastic", bool, False, None,
        "Set by an elastic launcher for its ranks: DistributedOptimizer registers its hooks even "
        "while the job has one rank (it may grow)."),
@@ -183,7 +187,8 @@ _FALSE = {"0", "false", "no", "off", "n", "f", ""}
 NON_KNOB_HORA_VARS: frozenset[str] = frozenset({
     "HORA_RANK", "HORA_SIZE", "HORA_LOCAL_RANK", "HORA_LOCAL_SIZE", "HORA_CROSS_RANK",
     "HORA_CROSS_SIZE", "HORA_RENDEZVOUS_ADDR", "HORA_RENDEZVOUS_PORT", "HORA_SECRET_KEY",
-    "HORA_JOB_ID", "HORA_LAUNCHER", "HORA_LAUNCHER_PID", "HORA_TEST_WORKER", "HORA_DEBUG",
+    "HORA_JOB_ID", "HORA_LAUNCHER", "HORA_LAUNCHER_PID", "HORA_ELASTIC_WORKER_ID",
+    "HORA_TEST_WORKER", "HORA_DEBUG",
 })
 
 
@@ -286,6 +291,7 @@ class Config:
     gloo_iface: str = ""
     hostname: str = ""
     elastic: bool = False
+    elastic_timeout: float = 600.0
     autotune: bool = False
     autotune_log: str = ""
     autotune_warmup_samples: int = 3

@@ -151,7 +151,7 @@ def _host_slots(hosts: str | None, hostfile: str | None) -> tuple[HostSlots, ...
 def _store_address(spec: _launch.LaunchSpec, executable: str) -> tuple[str, float]:
     """Where the launcher would put its rendezvous store for ``spec``, and the start timeout.
 
-    Uses the launcher's own choice (:func:`hora.runner.launch._store_address`) so both stores
+    Uses the launcher's own choice (:func:`hora.runner.launch.store_address`) so both stores
     sit on the address the remote hosts are checked to reach.
 
     Raises:
@@ -164,12 +164,12 @@ def _store_address(spec: _launch.LaunchSpec, executable: str) -> tuple[str, floa
     remote_hosts = tuple(dict.fromkeys(h for h in names if not _launch.is_local_host(h)))
     if remote_hosts:
         ssh.ssh_program()
-    remote = _launch._Remote(
+    remote = _launch.Remote(
         hosts=remote_hosts,
         options=ssh.SshOptions(spec.ssh_port, spec.ssh_identity_file,
                                connect_timeout=min(10.0, config.start_timeout)),
         python=executable, grace=0.0)
-    return _launch._store_address(remote, config).address, config.start_timeout
+    return _launch.store_address(remote, config).address, config.start_timeout
 
 
 def _environ() -> dict[str, str]:

@@ -25,6 +25,7 @@ from hora.config import KNOBS, KNOBS_BY_NAME, cli_value_to_env
 from hora.errors import ConfigError, HoraError
 from hora.runner import check
 from hora.runner.config_file import read_config_file
+from hora.runner.elastic.driver import ElasticOptions, run_elastic
 from hora.runner.launch import (
     IDENTITY_VARS,
     HostSlots,
@@ -36,11 +37,9 @@ from hora.runner.launch import (
 from hora.runner.local import say
 from hora.runner.run_flags import PROG, build_run_parser
 
-_ELASTIC_FLAGS: tuple[tuple[str, str], ...] = (
-    ("min_np", "--min-np"), ("max_np", "--max-np"), ("slots_per_host", "--slots-per-host"),
-    ("elastic_timeout", "--elastic-timeout"), ("reset_limit", "--reset-limit"),
-    ("blacklist_cooldown_range", "--blacklist-cooldown-range"),
-    ("host_discovery_script", "--host-discovery-script"),
+_ELASTIC_ONLY: tuple[tuple[str, str], ...] = (
+    ("max_np", "--max-np"), ("slots_per_host", "--slots-per-host"),
+    ("reset_limit", "--reset-limit"), ("blacklist_cooldown_range", "--blacklist-cooldown-range"),
 )
 
 
@@ -76,11 +75,11 @@ Run `{PROG} run --help` for the most used options, `{PROG} run --help-all` for e
 # ---- args -> LaunchSpec ------------------------------------------------------------------------
 
 def _refuse_unsupported(ns: argparse.Namespace, controller: str | None) -> None:
-    given = [flag for dest, flag in _ELASTIC_FLAGS if getattr(ns, dest) is not None]
-    if given:
-        raise ConfigError(
-            f"elastic mode is not implemented yet in hora ({', '.join(given)} given). Run a "
-            "fixed-size job with -np N; elastic training is tracked as its own issue.")
+    if not is_elastic(ns):
+        given = [flag for dest, flag in _ELASTIC_ONLY if getattr(ns, dest) is not None]
+        if given and given != ["--max-np"]:  # horovodrun ignores --max-np alone
+            raise ConfigError(f"{', '.join(given)} only apply to elastic mode: add --min-np N "
+                              "or --host-discovery-script SCRIPT")
     if ns.mpi or (controller == "mpi" and not ns.gloo):
         raise ConfigError(_MPI_HINT)
     if ns.jsrun:
@@ -139,6 +138,8 @@ def spec_from_args(ns: argparse.Namespace) -> LaunchSpec:
         from_file, controller = read_config_file(ns.config_file)
         knobs = {**from_file, **knobs}  # the command line wins (horovodrun semantics)
     _refuse_unsupported(ns, controller)
+    if ns.np is None and is_elastic(ns):
+        ns.np = ns.min_np or 1
     if ns.np is None:
         raise ConfigError("-np/--num-proc N is required")
     command = list(ns.command)
@@ -173,6 +174,40 @@ def spec_from_args(ns: argparse.Namespace) -> LaunchSpec:
                       ssh_port=ns.ssh_port, ssh_identity_file=ns.ssh_identity_file)
 
 
+def is_elastic(ns: argparse.Namespace) -> bool:
+    """Elastic mode is selected by --min-np or --host-discovery-script (horovodrun's rule)."""
+    return ns.min_np is not None or ns.host_discovery_script is not None
+
+
+def elastic_from_args(ns: argparse.Namespace, spec: LaunchSpec) -> ElasticOptions:
+    """The elastic part of ``hora run``'s arguments.
+
+    Raises:
+        ConfigError: inconsistent -np / --min-np / --max-np, or a bad cooldown range.
+    """
+    from hora.runner.elastic.discovery import FixedHosts, HostDiscoveryScript
+    from hora.runner.elastic.health import HostHealth
+
+    min_np = ns.min_np if ns.min_np is not None else spec.np
+    if min_np > spec.np:
+        raise ConfigError(f"--min-np {min_np} is more than -np {spec.np}: -np is how many "
+                          "workers start, --min-np the fewest the job trains with")
+    if ns.max_np is not None and ns.max_np < spec.np:
+        raise ConfigError(f"--max-np {ns.max_np} is less than -np {spec.np}")
+    cooldown = tuple(ns.blacklist_cooldown_range) if ns.blacklist_cooldown_range else None
+    if cooldown is not None:
+        HostHealth(cooldown)  # validates the range, with the flag's name in the message
+    if ns.host_discovery_script is not None:
+        if spec.hosts:
+            raise ConfigError("--host-discovery-script and -H/--hostfile exclude each other: "
+                              "the script says which hosts the job may use")
+        discovery: Any = HostDiscoveryScript(ns.host_discovery_script, ns.slots_per_host)
+    else:
+        discovery = FixedHosts(spec.hosts or (HostSlots("localhost", ns.max_np or spec.np),))
+    return ElasticOptions(discovery=discovery, min_np=min_np, max_np=ns.max_np,
+                          reset_limit=ns.reset_limit, cooldown_range=cooldown)
+
+
 # ---- entry points ------------------------------------------------------------------------------
 
 def version_text() -> str:
@@ -191,9 +226,12 @@ def run_main(argv: Sequence[str]) -> int:
         return check.main([], checklist_first=True)
     try:
         spec = spec_from_args(ns)
+        elastic = elastic_from_args(ns, spec) if is_elastic(ns) else None
     except ConfigError as exc:
         parser.error(str(exc))
     try:
+        if elastic is not None:
+            return run_elastic(spec, elastic)
         return launch(spec)
     except ConfigError as exc:
         parser.error(str(exc))

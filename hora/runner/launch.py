@@ -137,7 +137,7 @@ def launcher_variables(spec: LaunchSpec) -> dict[str, str]:
     return env
 
 
-def _validate(spec: LaunchSpec, env: Mapping[str, str]) -> Config:
+def validate(spec: LaunchSpec, env: Mapping[str, str]) -> Config:
     if spec.np < 1:
         raise ConfigError(f"-np must be >= 1, not {spec.np}")
     if not spec.command:
@@ -153,7 +153,7 @@ def _validate(spec: LaunchSpec, env: Mapping[str, str]) -> Config:
 # ---- launch ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class _Remote:
+class Remote:
     """How this job reaches the hosts that are not this machine (none: an empty ``hosts``)."""
 
     hosts: tuple[str, ...]
@@ -162,7 +162,7 @@ class _Remote:
     grace: float
 
 
-def _store_address(remote: _Remote, config: Config) -> network.StoreAddress:
+def store_address(remote: Remote, config: Config) -> network.StoreAddress:
     first: tuple[str, ...] = ()
     if remote.hosts:
         first = (remote.hosts[0] if config.gloo_iface else
@@ -170,7 +170,7 @@ def _store_address(remote: _Remote, config: Config) -> network.StoreAddress:
     return network.store_address(first, config.gloo_iface)
 
 
-def _check_remote_hosts(remote: _Remote, address: str, config: Config,
+def _check_remote_hosts(remote: Remote, address: str, config: Config,
                         console: Console, verbose: bool) -> None:
     """Every remote host must run ranks and reach ``address`` (a probe listener there)."""
     if verbose:
@@ -186,7 +186,7 @@ def _check_remote_hosts(remote: _Remote, address: str, config: Config,
                                                       for r in results))
 
 
-def _rank_launch(slot: Slot, env: dict[str, str], spec: LaunchSpec, remote: _Remote,
+def rank_launch(slot: Slot, env: dict[str, str], spec: LaunchSpec, remote: Remote,
                  gate: ssh.StartGate) -> RankLaunch:
     """A local rank runs ``spec.command`` with ``env``; a remote one runs ssh, and ``env`` (less
     what Horovod never forwards to other hosts) goes over ssh's stdin."""
@@ -230,9 +230,9 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None,
     """
     own = launcher_variables(spec)
     base = {**forwardable_environment(os.environ if environ is None else environ), **own}
-    config = _validate(spec, base)
+    config = validate(spec, base)
     slots = compute_topology(assign_hosts(spec.np, spec.hosts))
-    remote = _Remote(
+    remote = Remote(
         hosts=tuple(dict.fromkeys(s.hostname for s in slots if not is_local_host(s.hostname))),
         options=ssh.SshOptions(spec.ssh_port, spec.ssh_identity_file,
                                connect_timeout=min(10.0, config.start_timeout)),
@@ -242,7 +242,7 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None,
         key = spec.ssh_identity_file
         if key is not None and not os.path.isfile(key):
             raise ConfigError(f"-i/--ssh-identity-file {key!r}: no such file")
-    where = _store_address(remote, config)
+    where = store_address(remote, config)
     if spec.output_filename is not None:
         try:
             Path(spec.output_filename).mkdir(parents=True, exist_ok=True)
@@ -261,7 +261,7 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None,
         if remote.hosts:
             _check_remote_hosts(remote, where.address, config, console, spec.verbose)
         with ssh.StartGate(timeout=remote.options.connect_timeout + 5.0) as gate:
-            ranks = [_rank_launch(slot, {**base, **rendezvous, **identity_environment(slot),
+            ranks = [rank_launch(slot, {**base, **rendezvous, **identity_environment(slot),
                                          SECRET_VAR: secret}, spec, remote, gate)
                      for slot in slots]
             return run_local(spec.command, ranks, output_dir=spec.output_filename,
@@ -271,7 +271,7 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None,
 
 
 def _describe(spec: LaunchSpec, slots: Sequence[Slot], env: Mapping[str, str],
-              where: network.StoreAddress, remote: _Remote, console: Console) -> None:
+              where: network.StoreAddress, remote: Remote, console: Console) -> None:
     """--verbose: what is started, with which variables. The secret is never shown."""
     nic = f" on {where.interface}" if where.interface else ""
     store = (f"rendezvous store: {env['HORA_RENDEZVOUS_ADDR']}:{env['HORA_RENDEZVOUS_PORT']}"

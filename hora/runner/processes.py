@@ -185,6 +185,8 @@ def spawn(command: Sequence[str], launch: RankLaunch, label: int, *, size: int,
                                                 hostname=launch.slot.hostname, returncode=1,
                                                 start_error=message)) from None
     argv = list(command) if launch.argv is None else list(launch.argv)
+    if preexec is None:
+        preexec = _parent_death_signal()
     if launch.before_start is not None:
         launch.before_start()
     try:

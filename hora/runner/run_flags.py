@@ -22,7 +22,7 @@ _GROUPS: tuple[tuple[str, str], ...] = (
     ("ssh", "ssh (ranks on hosts other than this machine are started over ssh)"),
     ("tunables", "tunables (exported to the ranks as HORA_* variables)"),
     ("autotune", "autotune (accepted; no effect yet)"),
-    ("elastic", "elastic (not implemented yet: these flags are refused)"),
+    ("elastic", "elastic training (enabled by --min-np or --host-discovery-script)"),
     ("timeline", "timeline"),
     ("stall", "stall check"),
     ("library", "library"),
@@ -47,7 +47,7 @@ _KNOB_GROUP: dict[str, str] = {
 }
 
 # Knobs whose flags are written by hand below instead of generated.
-_HAND_WRITTEN = frozenset({"gloo_iface"})
+_HAND_WRITTEN = frozenset({"gloo_iface", "elastic_timeout"})
 
 _RUN_EPILOG = """\
 examples:
@@ -236,12 +236,15 @@ def build_run_parser() -> argparse.ArgumentParser:
                    metavar="N", help="maximum number of ranks")
     e.add_argument("--slots-per-host", dest="slots_per_host", type=_positive_int, metavar="N",
                    help="slots of discovered hosts that state none")
-    e.add_argument("--elastic-timeout", type=_non_negative(float), metavar="SECONDS",
-                   help="wait for enough slots after a rescale [default: 600]")
+    e.add_argument("--elastic-timeout", dest="knob_elastic_timeout", type=_non_negative(float),
+                   metavar="SECONDS", help="seconds to wait for --min-np workers at start and "
+                   "after a failure before the job fails [default: 600; env "
+                   "HOROVOD_ELASTIC_TIMEOUT]")
     e.add_argument("--reset-limit", type=_non_negative(int), metavar="N",
                    help="resets allowed before the job fails")
-    e.add_argument("--blacklist-cooldown-range", type=_non_negative(int), nargs=2,
-                   metavar=("MIN", "MAX"), help="cooldown range of failed hosts, seconds")
+    e.add_argument("--blacklist-cooldown-range", type=_non_negative(float), nargs=2,
+                   metavar=("MIN", "MAX"), help="seconds a blacklisted host stays out, growing "
+                   "from MIN to MAX with each blacklisting [default: for ever]")
 
     st = groups["stall"]
     st.add_argument("--no-stall-check", dest="knob_stall_check_disable", action="store_const",
@@ -276,7 +279,8 @@ def build_run_parser() -> argparse.ArgumentParser:
     hosts.add_argument("-hostfile", "--hostfile", metavar="FILE",
                        help="file with lines '<hostname> slots=<n>'")
     hosts.add_argument("--host-discovery-script", metavar="SCRIPT",
-                       help="elastic host discovery (not implemented yet)")
+                       help="elastic mode: an executable printing the usable hosts, one "
+                            "'<hostname>[:<slots>]' per line; run every second")
 
     ctl = groups["controller"].add_mutually_exclusive_group()
     ctl.add_argument("--gloo", action="store_true",

@@ -234,7 +234,7 @@ REMOTE_SCRIPT = """\
 import json, os, sys
 import hora.runner.launch as launch, hora.runner.network as network
 launch.is_local_host = lambda host: not host.startswith("fake")
-launch._store_address = lambda remote, config: network.StoreAddress("127.0.0.1", "lo", "test")
+launch.store_address = lambda remote, config: network.StoreAddress("127.0.0.1", "lo", "test")
 import hora
 
 def where(greeting):

@@ -34,7 +34,7 @@ import sys
 import hora.runner.launch as launch, hora.runner.network as network
 import hora.runner.processes as processes
 launch.is_local_host = lambda host: not host.startswith("fake")
-launch._store_address = lambda remote, config: network.StoreAddress("127.0.0.1", "lo", "test")
+launch.store_address = lambda remote, config: network.StoreAddress("127.0.0.1", "lo", "test")
 def _no_dns(host):
     raise AssertionError("the launcher tried to resolve " + host)
 network.resolve = _no_dns

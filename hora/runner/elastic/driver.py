@@ -1,0 +1,459 @@
+"""The elastic driver: ``hora run`` with ``--min-np`` or ``--host-discovery-script``.
+
+Runner layer. The driver serves the job's rendezvous store, polls host discovery every second,
+starts one worker process per usable slot (up to ``--max-np``; locally or over ssh, as fixed-size
+jobs), and forms *generations*: the set of workers that train together, their ranks and size
+(protocol: :mod:`hora.rendezvous.elastic`; bookkeeping: :mod:`hora.runner.elastic.members`).
+
+* **A worker fails** (exits non-zero): its host's failure is counted (:mod:`.health`: a host
+  is blacklisted on its second failure, so one crash on a healthy machine does not take the
+  machine out), the survivors' collectives fail, they roll back to their last commit and say
+  they are ready; when every surviving member is ready the driver forms the next generation
+  from them. Meanwhile a replacement is started on a free slot: it joins at a later commit.
+* **A newcomer is ready** (a replacement, or a worker on a new host): the driver posts a notice
+  for the running generation; at the next ``commit()`` every rank stops, and the next
+  generation includes the newcomer.
+* **Too few workers**: a generation is formed only with at least ``--min-np`` workers. The
+  driver waits ``--elastic-timeout`` seconds for more, then tells every waiting worker to stop
+  with the reason and exits 1 (no silent wait for ever).
+* **Training finished**: the first worker that exits 0 ends the job; the others are told to
+  leave when they next ask, and the launcher exits 0 once all have ended.
+* ``--reset-limit N``: the job fails at the (N+1)-th reset, with Horovod's message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from hora.errors import DiscoveryError, RendezvousTimeoutError
+from hora.rendezvous import elastic as proto
+from hora.rendezvous.kvstore import KVStoreServer
+from hora.rendezvous.store_client import KVStoreClient
+from hora.rendezvous.topology import Slot
+from hora.runner import launch as launch_mod
+from hora.runner import processes, ssh
+from hora.runner.elastic.discovery import HostDiscovery, describe
+from hora.runner.elastic.health import HostHealth
+from hora.runner.elastic.members import Member, form_generation, summary
+from hora.runner.failures import exit_status, signal_name
+from hora.runner.hosts import is_local_host
+from hora.runner.output import CONSOLE, Console
+
+DEFAULT_ELASTIC_TIMEOUT_S = 600.0
+"""``--elastic-timeout`` / ``HOROVOD_ELASTIC_TIMEOUT`` default (Horovod's)."""
+
+_TICK_S = 0.05
+_DISCOVERY_EVERY_S = 1.0
+_STOP_GRACE_S = 10.0  # how long told-to-stop workers get before they are stopped
+
+
+@dataclass(frozen=True)
+class ElasticOptions:
+    """What makes a job elastic (``hora run`` flags of the same names)."""
+
+    discovery: HostDiscovery
+    min_np: int
+    max_np: int | None = None
+    reset_limit: int | None = None
+    cooldown_range: tuple[float, float] | None = None
+    elastic_timeout: float | None = None  # None: the elastic_timeout knob (HOROVOD_ELASTIC_TIMEOUT)
+
+
+class _Discovery(threading.Thread):
+    """Polls discovery every second; the driver reads the latest result."""
+
+    def __init__(self, source: HostDiscovery, first: dict[str, int]) -> None:
+        super().__init__(daemon=True, name="hora-discovery")
+        self._source = source
+        self.hosts = first
+        self.error: str | None = None
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(_DISCOVERY_EVERY_S):
+            try:
+                self.hosts = self._source.find_available_hosts_and_slots()
+                self.error = None
+            except DiscoveryError as exc:  # later failures: logged, retried (Horovod's rule)
+                self.error = str(exc)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+class ElasticDriver:
+    """Runs one elastic job; :meth:`run` returns the launcher's exit status."""
+
+    def __init__(self, spec: launch_mod.LaunchSpec, options: ElasticOptions, *,
+                 environ: Mapping[str, str], console: Console = CONSOLE) -> None:
+        self.spec, self.options, self.console = spec, options, console
+        self.health = HostHealth(options.cooldown_range)
+        self.members: dict[int, Member] = {}
+        self.generation = 0
+        self.resets = 0
+        self.timeout = DEFAULT_ELASTIC_TIMEOUT_S
+        self._environ = environ
+        self._exits: queue.Queue[tuple[int, int]] = queue.Queue()
+        self._next_wid = 0
+        self._events = -1
+        self._interrupt: int | None = None
+        self._reset_since: float | None = None  # when the running generation started failing
+        self._short_since: float | None = None  # since when too few workers were ready
+        self._finished: Member | None = None
+        self._finished_at = 0.0
+        self._notice = proto.HostUpdateResult.no_update
+        self._late_failures: list[Member] = []
+
+    def on_signal(self, signum: int) -> None:
+        self._interrupt = signum
+
+    # ---- set-up -------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        spec = self.spec
+        own = launch_mod.launcher_variables(spec)
+        base = {**launch_mod.forwardable_environment(self._environ), **own,
+                "HORA_ELASTIC": "1", "HOROVOD_ELASTIC": "1"}
+        config = launch_mod.validate(spec, base)
+        self.timeout = (config.elastic_timeout if self.options.elastic_timeout is None
+                        else self.options.elastic_timeout)
+        try:
+            first = self.options.discovery.find_available_hosts_and_slots()
+        except DiscoveryError as exc:  # the first poll must work (Horovod's rule)
+            self.console.say(f"elastic: host discovery failed at start: {exc}")
+            return 1
+        remote_hosts = tuple(h for h in first if not is_local_host(h))
+        self._remote = launch_mod.Remote(
+            hosts=remote_hosts,
+            options=ssh.SshOptions(spec.ssh_port, spec.ssh_identity_file,
+                                   connect_timeout=min(10.0, config.start_timeout)),
+            python=sys.executable, grace=max(0.5, processes.GRACE_PERIOD_S - 1.0))
+        where = launch_mod.store_address(self._remote, config)
+        secret = secrets.token_hex(32)
+        self._server = KVStoreServer(bytes.fromhex(secret), where.address, 0).start()
+        self._discovery = _Discovery(self.options.discovery, first)
+        try:
+            self._client = KVStoreClient(self._server.host, self._server.port,
+                                         bytes.fromhex(secret))
+            self._env = {**base, "HORA_RENDEZVOUS_ADDR": self._server.host,
+                         "HORA_RENDEZVOUS_PORT": str(self._server.port),
+                         "HOROVOD_GLOO_RENDEZVOUS_ADDR": self._server.host,
+                         "HOROVOD_GLOO_RENDEZVOUS_PORT": str(self._server.port),
+                         "HORA_JOB_ID": secrets.token_hex(8), launch_mod.SECRET_VAR: secret}
+            self._say(f"elastic job: min {self.options.min_np}, max "
+                      f"{self.options.max_np or 'unbounded'} workers, start with "
+                      f"{spec.np}; hosts: {describe(first)}", verbose_only=True)
+            self._discovery.start()
+            with ssh.StartGate(timeout=self._remote.options.connect_timeout + 5.0) as gate:
+                self._gate = gate
+                return self._loop()
+        finally:
+            self._discovery.stop()
+            workers = [m.process for m in self.members.values() if m.process is not None]
+            processes.stop_workers(workers, self.console, quiet=True)
+            for worker in workers:
+                for relay in worker.relays:
+                    relay.join(2.0)
+            self._server.close()
+            from hora.runner.local import remove_shm_segments
+
+            remove_shm_segments(self._env.get("HORA_JOB_ID") if hasattr(self, "_env") else None)
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def _loop(self) -> int:
+        started = time.monotonic()
+        while True:
+            if self._interrupt is not None:
+                alive = sum(m.alive for m in self.members.values())
+                self.console.say(f"received {signal_name(self._interrupt)}; stopping {alive} "
+                                 "worker(s).")
+                self.console.interrupted(self._interrupt)
+                return exit_status(-self._interrupt)
+            self._reap()
+            self._read_ready()
+            if self._finished is not None:
+                status = self._finishing()
+                if status is not None:
+                    return status
+            else:
+                self._spawn()
+                status = self._all_blacklisted() or self._decide(started)
+                if status is not None:
+                    return status
+            time.sleep(_TICK_S)
+
+    def _all_blacklisted(self) -> int | None:
+        """Horovod's rule: when every host that ran workers is blacklisted and none is running,
+        the job cannot go on."""
+        hosts = {m.host for m in self.members.values()}
+        if not hosts or not all(self.health.is_blacklisted(h) for h in hosts):
+            return None
+        if any(m.alive and m.leaving is None for m in self.members.values()):
+            return None
+        if self._usable():
+            return None
+        return self._fail(f"every host that ran workers is blacklisted after repeated failures "
+                          f"({', '.join(sorted(hosts))}) and discovery lists no other; see the "
+                          "workers' errors above")
+
+    def _usable(self) -> dict[str, int]:
+        return self.health.filter(self._discovery.hosts)
+
+    def _spawn(self) -> None:
+        """Start workers on free usable slots, up to --max-np live workers."""
+        live = [m for m in self.members.values() if m.alive and m.leaving is None]
+        room = (self.options.max_np or 1 << 30) - len(live)
+        if self.generation == 0 and not self.members:
+            room = min(room, max(self.spec.np, sum(self._usable().values())))
+        for host, slots in self._usable().items():
+            free = slots - sum(1 for m in live if m.host == host)
+            while free > 0 and room > 0:
+                self._start(host)
+                free -= 1
+                room -= 1
+
+    def _start(self, host: str) -> None:
+        wid = self._next_wid
+        self._next_wid += 1
+        env = {**self._env, proto.WORKER_ID_VAR: str(wid), "HORA_HOSTNAME": host,
+               "HOROVOD_HOSTNAME": host}
+        slot = Slot(rank=wid, size=0, hostname=host, local_rank=0, local_size=0, cross_rank=0,
+                    cross_size=0)
+        if not is_local_host(host) and host not in self._remote.hosts:
+            self._remote = dataclasses.replace(self._remote, hosts=(*self._remote.hosts, host))
+        launch = launch_mod.rank_launch(slot, env, self.spec, self._remote, self._gate)
+        member = Member(wid=wid, host=host, started=time.monotonic())
+        self.members[wid] = member
+        try:
+            member.process = processes.spawn(
+                self.spec.command, launch, wid, size=self.options.max_np or self.spec.np,
+                exits=self._exits, console=self.console, output_dir=self.spec.output_filename,
+                prefix_timestamp=self.spec.prefix_timestamp)
+        except processes.StartError as exc:
+            self.console.say(exc.message)
+            self._exits.put((wid, exc.failure.returncode))
+            return
+        joins = "starting" if self.generation == 0 else "starting a newcomer:"
+        self._say(f"{joins} worker {wid} on {host}", verbose_only=self.generation == 0)
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                wid, code = self._exits.get_nowait()
+            except queue.Empty:
+                return
+            m = self.members[wid]
+            m.exit_code = code
+            if m.leaving is not None:
+                continue
+            if code == 0:
+                if self._finished is None:
+                    self._finished, self._finished_at = m, time.monotonic()
+                    self._say(f"{m.describe()} finished training (exit 0); ending the job")
+                continue
+            if self._finished is not None:
+                self._late_failures.append(m)
+                continue
+            if self._reset_since is None and m.current is not None:
+                self._reset_since = time.monotonic()
+            how = (f"was killed by {signal_name(-code)}" if code < 0
+                   else f"exited with code {code}")
+            blacklisted = self.health.record_failure(m.host)
+            self._say(f"{m.describe()} {how}"
+                      + (f"; {m.host} is blacklisted after {self.health.failures(m.host) or 2} "
+                         "failures" if blacklisted else ""))
+            if blacklisted:
+                for other in self.members.values():
+                    if other.alive and other.host == m.host and other.leaving is None:
+                        self._tell(other, proto.Stop("removed", f"host {m.host} is blacklisted"))
+
+    def _read_ready(self) -> None:
+        events = self._client.add(proto.SCOPE, proto.EVENTS, 0)
+        if events == self._events:
+            return
+        self._events = events
+        for m in self.members.values():
+            if not m.alive:
+                continue
+            try:
+                raw = self._client.get(proto.SCOPE, proto.ready_key(m.wid), 0.0)
+            except RendezvousTimeoutError:
+                continue
+            m.ready_after = int(raw)
+
+    def _tell(self, m: Member, answer: proto.Assignment | proto.Stop) -> None:
+        """Answer ``m``'s readiness (or pre-answer it: a worker not yet ready reads the answer
+        when it asks). A Stop marks it leaving and its process is stopped if it lingers."""
+        after = m.ready_after if m.ready_after is not None else (m.current or 0)
+        self._client.set(proto.SCOPE, proto.answer_key(m.wid, after), proto.encode(answer))
+        m.answered = after
+        if isinstance(answer, proto.Stop):
+            m.leaving = answer.reason
+            m.current = None
+            if m.process is not None and m.alive:
+                worker = m.process
+                threading.Timer(_STOP_GRACE_S, lambda: processes.stop_workers(
+                    [worker], self.console, quiet=True)).start()
+
+    # ---- generations --------------------------------------------------------------------------
+
+    def _decide(self, started: float) -> int | None:
+        members = [m for m in self.members.values() if m.current == self.generation
+                   and self.generation > 0]
+        ready = [m for m in self.members.values() if m.waiting and m.leaving is None]
+        newcomers = [m for m in ready if m.ready_after == 0 and m.current is None]
+        if self.generation == 0:
+            pending = [m for m in self.members.values() if m.alive and not m.waiting
+                       and m.leaving is None]
+            if not pending and len(newcomers) >= self.spec.np:
+                return self._form(newcomers, [])
+            if time.monotonic() - started > self.timeout:
+                return self._fail(f"only {len(newcomers)} of the {self.spec.np} workers needed "
+                                  f"to start (-np) were ready after {self._timeout_text()}")
+            return None
+        failing = [m for m in members if not m.alive or m.waiting]
+        if not failing:
+            self._post_notice(members, newcomers)
+            return None
+        if self._reset_since is None:
+            self._reset_since = time.monotonic()
+        behind = [m for m in members if m.alive and not m.waiting]
+        if behind:
+            if time.monotonic() - self._reset_since > self.timeout:
+                self._say(f"{summary(behind)} did not rejoin within {self._timeout_text()}; "
+                          "stopping them")
+                for m in behind:
+                    self._tell(m, proto.Stop("failed", "did not rejoin the elastic job in "
+                                                       "time"))
+            return None
+        survivors = [m for m in members if m.waiting]
+        if not survivors:
+            return self._fail("no worker of the previous generation is left, so no one holds "
+                              "the trained state to broadcast (every member failed)")
+        return self._form(survivors + newcomers, members)
+
+    def _form(self, candidates: list[Member], previous: list[Member]) -> int | None:
+        usable = self._usable()
+        for m in candidates:
+            if m.host not in usable:
+                self._tell(m, proto.Stop("removed", f"host {m.host} left the job"))
+        chosen = [m for m in candidates if m.leaving is None]
+        chosen = chosen[:self.options.max_np] if self.options.max_np else chosen
+        if len(chosen) < self.options.min_np:
+            if self._short_since is None:
+                self._short_since = time.monotonic()
+                self._say(f"{len(chosen)} worker(s) ready, fewer than --min-np "
+                          f"{self.options.min_np}; waiting up to {self._timeout_text()} for "
+                          "more")
+            if time.monotonic() - self._short_since > self.timeout:
+                return self._fail(
+                    f"only {len(chosen)} worker(s) ({summary(chosen)}) were ready, fewer than "
+                    f"--min-np {self.options.min_np}, for {self._timeout_text()}; no new "
+                    f"host slots appeared (hosts now: {describe(usable)})")
+            return None
+        if previous:
+            limit = self.options.reset_limit
+            if limit is not None and self.resets >= limit:
+                return self._fail("Horovod was shutdown because number of resets during "
+                                  f"elastic job exceeded limit: {limit} (--reset-limit)")
+            self.resets += 1
+        self._short_since = None
+        self.generation += 1
+        assignments = form_generation(chosen, self.generation)
+        for m in chosen:
+            if m.generation is None:
+                m.generation = self.generation
+            m.current = self.generation
+            self._tell(m, assignments[m.wid])
+        self._notice = proto.HostUpdateResult.no_update
+        left = [m for m in previous if m not in chosen]
+        joined = [m for m in chosen if m.generation == self.generation and previous]
+        cause = "failure" if any(not m.alive for m in previous) else "interruption"
+        since = (f", {time.monotonic() - self._reset_since:.2f} s after the {cause}"
+                 if self._reset_since is not None else "")
+        self._reset_since = None
+        change = "" if not previous else (
+            f" (left: {summary(left)}; joined: {summary(joined)})")
+        self._say(f"generation {self.generation}: {len(chosen)} worker(s){change}{since}",
+                  verbose_only=not previous)
+        if self.spec.verbose:
+            order = sorted(chosen, key=lambda m: assignments[m.wid].rank)
+            self._say("ranks: " + ", ".join(f"{assignments[m.wid].rank}=worker {m.wid}@{m.host}"
+                                            for m in order), verbose_only=True)
+        return None
+
+    def _post_notice(self, members: list[Member], newcomers: list[Member]) -> None:
+        update = proto.HostUpdateResult.no_update
+        room = (self.options.max_np or 1 << 30) - len(members)
+        if newcomers and room > 0:
+            update |= proto.HostUpdateResult.added
+        usable = self._usable()
+        if any(m.host not in usable for m in members):
+            update |= proto.HostUpdateResult.removed
+        if update and (self._notice | update) != self._notice:
+            self._notice |= update
+            self._client.set(proto.SCOPE, proto.notice_key(self.generation),
+                             str(int(self._notice)).encode())
+            self._say(f"notifying generation {self.generation}: hosts "
+                      f"{self._notice.name or 'changed'} (takes effect at its next commit)",
+                      verbose_only=True)
+
+    def _finishing(self) -> int | None:
+        done = self._finished.describe() if self._finished is not None else "a worker"
+        for m in self.members.values():
+            if m.waiting and m.leaving is None:
+                self._tell(m, proto.Stop("finished", f"{done} finished training"))
+        live = [m for m in self.members.values() if m.alive]
+        if not live:
+            for m in self._late_failures:
+                self._say(f"{m.describe()} failed (exit {m.exit_code}) after {done} finished "
+                          "training")
+            return self._late_failures[0].exit_code or 1 if self._late_failures else 0
+        if time.monotonic() - self._finished_at > self.timeout:
+            self._say(f"{summary(live)} still running {self._timeout_text()} after training "
+                      "finished; stopping them")
+            return 1
+        return None
+
+    def _fail(self, message: str) -> int:
+        self._say(f"error: elastic job failed: {message}")
+        for m in self.members.values():
+            if m.alive and m.leaving is None:
+                self._tell(m, proto.Stop("failed", f"the elastic job failed: {message}"))
+        deadline = time.monotonic() + _STOP_GRACE_S
+        while time.monotonic() < deadline and any(m.alive for m in self.members.values()):
+            self._reap()
+            time.sleep(_TICK_S)
+        return 1
+
+    def _timeout_text(self) -> str:
+        return f"{self.timeout:g} s (--elastic-timeout)"
+
+    def _say(self, text: str, *, verbose_only: bool = False) -> None:
+        if self.spec.verbose or not verbose_only:
+            self.console.say(f"elastic: {text}")
+
+
+def run_elastic(spec: launch_mod.LaunchSpec, options: ElasticOptions, *,
+                environ: Mapping[str, str] | None = None, console: Console = CONSOLE) -> int:
+    """Run an elastic job; returns the launcher's exit status (0: a worker finished training;
+    1: the job could not go on, with the reason said; 128 + N: the launcher got signal N)."""
+    import os
+
+    from hora.runner.local import _stop_signals
+
+    driver = ElasticDriver(spec, options, environ=os.environ if environ is None else environ,
+                           console=console)
+    with _stop_signals(driver.on_signal):
+        return driver.run()
+
+
+__all__ = ["DEFAULT_ELASTIC_TIMEOUT_S", "ElasticDriver", "ElasticOptions", "run_elastic"]
