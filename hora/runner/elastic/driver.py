@@ -110,6 +110,7 @@ class ElasticDriver:
         self._finished_at = 0.0
         self._notice = proto.HostUpdateResult.no_update
         self._late_failures: list[Member] = []
+        self._discovery_error: str | None = None
 
     def on_signal(self, signum: int) -> None:
         self._interrupt = signum
@@ -179,6 +180,7 @@ class ElasticDriver:
                 return exit_status(-self._interrupt)
             self._reap()
             self._read_ready()
+            self._report_discovery()
             if self._finished is not None:
                 status = self._finishing()
                 if status is not None:
@@ -189,6 +191,17 @@ class ElasticDriver:
                 if status is not None:
                     return status
             time.sleep(_TICK_S)
+
+    def _report_discovery(self) -> None:
+        error = self._discovery.error
+        if error != self._discovery_error:
+            self._discovery_error = error
+            if error is not None:
+                self._say(f"host discovery failed; keeping the last hosts it listed "
+                          f"({describe(self._discovery.hosts)}) and retrying every second: "
+                          f"{error}")
+            else:
+                self._say("host discovery works again", verbose_only=True)
 
     def _all_blacklisted(self) -> int | None:
         """Horovod's rule: when every host that ran workers is blacklisted and none is running,
