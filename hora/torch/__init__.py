@@ -20,6 +20,7 @@ from __future__ import annotations
 from hora import _basics
 from hora._basics import *  # noqa: F403 - Horovod's common names, one list for every adapter
 from hora.core.api import poll, synchronize
+from hora.torch import elastic  # hvd.elastic, as in Horovod (~15 ms of import time)
 from hora.torch.autograd import (
     allgather,
     allreduce,
@@ -68,5 +69,5 @@ __all__ = [
     "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
     "grouped_reducescatter_async", "join", "poll", "reducescatter", "reducescatter_async",
-    "sparse_allreduce_async", "synchronize",
+    "sparse_allreduce_async", "synchronize", "elastic",
 ]
