@@ -7,8 +7,9 @@ Environment:
     EW_KILL: ``<worker id>:<step>``: that worker SIGKILLs itself at the top of that step;
     EW_KILL_IN_SYNC: ``<worker id>``: that worker SIGKILLs itself in its second ``sync()``
     (i.e. while the world recovers from the first kill);
-    EW_SHRINK: a hosts file the killer of EW_KILL rewrites to ``localhost:1`` (then waits for
-    discovery to see it) before it dies; EW_CRASH: ``<worker id>,...`` exit 3 at start.
+    EW_MARK: a file the killer of EW_KILL creates before it dies (then it waits 2.5 s, so that
+    a discovery script that reads the file has been run); EW_CRASH: ``<worker id>,...`` exit
+    at start.
 
 Each worker appends the steps it completed to ``EW_LOG/worker.<id>`` (one line per step: the
 step and the world size) and prints one JSON line at the end.
@@ -61,9 +62,8 @@ def log_step(step: int) -> None:
 def train(state: State) -> None:
     while state.step < STEPS:
         if int(kill_wid) == WID and state.step + 1 == int(kill_step):
-            if os.environ.get("EW_SHRINK"):
-                with open(os.environ["EW_SHRINK"], "w") as f:
-                    f.write("localhost:1\n")
+            if os.environ.get("EW_MARK"):
+                open(os.environ["EW_MARK"], "w").close()
                 time.sleep(2.5)  # discovery runs every second
             os.kill(os.getpid(), signal.SIGKILL)
         x = np.linspace(0.0, 1.0, 8) * (hora.rank() + 1) + state.step

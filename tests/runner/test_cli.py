@@ -35,10 +35,14 @@ def spec(*argv: str) -> LaunchSpec:
     ((), "-np/--num-proc N is required"),
     (("-np", "2"), "no command given"),
     (("-np", "0", "true"), "argument -np/--num-proc: must be >= 1"),
-    (("-np", "2", "--min-np", "1", "true"), "elastic mode is not implemented yet in hora"),
-    (("-np", "2", "--host-discovery-script", "d.sh", "true"),
-     "elastic mode is not implemented yet in hora (--host-discovery-script given)"),
+    (("-np", "2", "--min-np", "3", "true"), "--min-np 3 is more than -np 2"),
+    (("-np", "3", "--min-np", "2", "--max-np", "2", "true"), "--max-np 2 is less than -np 3"),
+    (("-np", "2", "--reset-limit", "1", "true"), "--reset-limit only apply to elastic mode"),
     (("-np", "2", "--blacklist-cooldown-range", "1", "5", "true"), "elastic mode"),
+    (("-np", "2", "--min-np", "1", "--blacklist-cooldown-range", "0", "10", "true"),
+     "--blacklist-cooldown-range"),
+    (("-np", "2", "--host-discovery-script", "d.sh", "--slots-per-host", "0", "true"),
+     "--slots-per-host: must be >= 1"),
     (("-np", "4", "-H", "localhost:2", "true"), "too few slots: -np 4 but the hosts"),
     (("-np", "2", "-H", "localhost:x", "true"), "'localhost:x' is not <hostname>:<slots>"),
     (("-np", "2", "-H", "localhost:2,", "true"), "'' is not <hostname>:<slots>"),
@@ -156,7 +160,7 @@ def test_horovodrun_spellings_are_accepted() -> None:
 
 def test_slots_prefix_is_refused_as_elastic(capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = run_cli(capsys, "run", "-np", "2", "--slots", "2", "true")
-    assert rc == 2 and "--slots-per-host given" in err
+    assert rc == 2 and "--slots-per-host only apply to elastic mode" in err
 
 
 def test_command_keeps_its_own_flags() -> None:
@@ -272,7 +276,7 @@ def test_check_reports_versions_and_the_horovod_checklist(
 
 def test_check_says_what_the_code_does(capsys: pytest.CaptureFixture[str]) -> None:
     """`hora check` states shipped capabilities as they are: multi-host launch over ssh exists
-    (hora/runner/ssh.py), elastic launch does not yet; Keras's own version is shown."""
+    (hora/runner/ssh.py), so does elastic launch; Keras's own version is shown."""
     from importlib.metadata import PackageNotFoundError, version
 
     from hora.runner.check import hora_has

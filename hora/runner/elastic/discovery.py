@@ -25,6 +25,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -33,6 +34,9 @@ from hora.errors import ConfigError, DiscoveryError
 from hora.runner.hosts import HostSlots
 
 log = get_logger(__name__)
+
+POLL_EVERY_S = 1.0
+"""How often the driver runs discovery (Horovod's period)."""
 
 STDERR_TAIL_LINES = 5
 """How many of the last stderr lines of a failed script its error shows."""
@@ -233,4 +237,33 @@ def _signal_name(number: int) -> str:
         return str(number)
 
 
-__all__ = ["FixedHosts", "HostDiscovery", "HostDiscoveryScript", "describe"]
+
+
+
+class DiscoveryPoller(threading.Thread):
+    """Runs ``source`` every :data:`POLL_EVERY_S` seconds in the background (Horovod's rule);
+    the driver reads the latest good result in ``hosts`` and the latest failure (None after a
+    success) in ``error``: failures after the first poll are reported and retried, the last
+    good host list stays in use."""
+
+    def __init__(self, source: HostDiscovery, first: dict[str, int]) -> None:
+        super().__init__(daemon=True, name="hora-discovery")
+        self._source = source
+        self.hosts = first
+        self.error: str | None = None
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(POLL_EVERY_S):
+            try:
+                self.hosts = self._source.find_available_hosts_and_slots()
+                self.error = None
+            except DiscoveryError as exc:
+                self.error = str(exc)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+__all__ = [
+    "DiscoveryPoller", "FixedHosts", "HostDiscovery", "HostDiscoveryScript", "describe"]

@@ -39,7 +39,7 @@ from hora.rendezvous.store_client import KVStoreClient
 from hora.rendezvous.topology import Slot
 from hora.runner import launch as launch_mod
 from hora.runner import processes, ssh
-from hora.runner.elastic.discovery import HostDiscovery, describe
+from hora.runner.elastic.discovery import DiscoveryPoller, HostDiscovery, describe
 from hora.runner.elastic.health import HostHealth
 from hora.runner.elastic.members import Member, form_generation, summary
 from hora.runner.failures import exit_status, signal_name
@@ -50,7 +50,6 @@ DEFAULT_ELASTIC_TIMEOUT_S = 600.0
 """``--elastic-timeout`` / ``HOROVOD_ELASTIC_TIMEOUT`` default (Horovod's)."""
 
 _TICK_S = 0.05
-_DISCOVERY_EVERY_S = 1.0
 _STOP_GRACE_S = 10.0  # how long told-to-stop workers get before they are stopped
 
 
@@ -64,28 +63,6 @@ class ElasticOptions:
     reset_limit: int | None = None
     cooldown_range: tuple[float, float] | None = None
     elastic_timeout: float | None = None  # None: the elastic_timeout knob (HOROVOD_ELASTIC_TIMEOUT)
-
-
-class _Discovery(threading.Thread):
-    """Polls discovery every second; the driver reads the latest result."""
-
-    def __init__(self, source: HostDiscovery, first: dict[str, int]) -> None:
-        super().__init__(daemon=True, name="hora-discovery")
-        self._source = source
-        self.hosts = first
-        self.error: str | None = None
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        while not self._stop_event.wait(_DISCOVERY_EVERY_S):
-            try:
-                self.hosts = self._source.find_available_hosts_and_slots()
-                self.error = None
-            except DiscoveryError as exc:  # later failures: logged, retried (Horovod's rule)
-                self.error = str(exc)
-
-    def stop(self) -> None:
-        self._stop_event.set()
 
 
 class ElasticDriver:
@@ -139,7 +116,7 @@ class ElasticDriver:
         where = launch_mod.store_address(self._remote, config)
         secret = secrets.token_hex(32)
         self._server = KVStoreServer(bytes.fromhex(secret), where.address, 0).start()
-        self._discovery = _Discovery(self.options.discovery, first)
+        self._discovery = DiscoveryPoller(self.options.discovery, first)
         try:
             self._client = KVStoreClient(self._server.host, self._server.port,
                                          bytes.fromhex(secret))
@@ -277,8 +254,9 @@ class ElasticDriver:
                 continue
             if self._reset_since is None and m.current is not None:
                 self._reset_since = time.monotonic()
-            how = (f"was killed by {signal_name(-code)}" if code < 0
-                   else f"exited with code {code}")
+            how = (f"was killed by {signal_name(-code)}" if code < 0 else
+                   f"exited with code {code} ({signal_name(code - 128)})" if code > 128 else
+                   f"exited with code {code}")
             blacklisted = self.health.record_failure(m.host)
             self._say(f"{m.describe()} {how}"
                       + (f"; {m.host} is blacklisted after {self.health.failures(m.host) or 2} "
