@@ -137,3 +137,15 @@ def test_discovery_garbage_later_is_reported_and_the_job_goes_on(tmp_path: Path)
     messages = "\n".join(result.hora_messages())
     assert "host discovery failed; keeping the last hosts it listed (localhost:2)" in messages
     assert "is not <hostname>[:<slots>]" in messages
+
+
+def test_reset_limit_ends_the_job_with_horovods_message(tmp_path: Path) -> None:
+    # two failures on two host names (neither is blacklisted): the second reset passes the limit
+    result = elastic_job("-np", "3", "--min-np", "1", "--max-np", "3", "--reset-limit", "1",
+                         "-H", "localhost:2,127.0.0.1:1", EW_KILL="2:8", EW_KILL_IN_SYNC="1",
+                         EW_STEPS="1000")
+    assert result.rc == 1, result.err[-3000:]
+    messages = "\n".join(result.hora_messages())
+    assert ("Horovod was shutdown because number of resets during elastic job exceeded "
+            "limit: 1 (--reset-limit)") in messages
+    assert "ElasticError" in "\n".join(result.lines("stderr").get(0, []))
