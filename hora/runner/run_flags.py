@@ -56,6 +56,9 @@ examples:
   hora run -np 8 --hostfile hosts.txt -p 2222 -i ~/.ssh/id_job --network-interface eth1 ...
   hora run -np 2 --fusion-threshold-mb 32 -x OMP_NUM_THREADS=1 python train.py
   hora run -np 4 --output-filename logs python train.py
+  hora run -np 3 --min-np 2 --max-np 4 python train.py
+                                                 elastic: goes on when a worker dies, grows
+                                                 back at a commit (docs/elastic.md)
   mpirun -np 4 python train.py                   works too: no hora run needed
 
 Every rank gets HOROVOD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE/CROSS_RANK/CROSS_SIZE/HOSTNAME (and the
