@@ -40,21 +40,22 @@ def steps_done(log: Path, wid: int) -> Counter[int]:
 def test_killed_worker_is_replaced_and_uncommitted_steps_replay_once(tmp_path: Path) -> None:
     # 3 workers on one host, commits every 5 steps; worker 2 dies at the top of step 18, after
     # the commit at step 15: the survivors roll back to 15 and replay steps 16 and 17 once.
+    # 80 steps of >= 50 ms: the replacement has seconds to start and join before the end
     result = elastic_job("-np", "3", "--min-np", "2", "--max-np", "3", "--verbose",
-                         EW_LOG=str(tmp_path), EW_KILL="2:18", EW_STEPS="40")
+                         EW_LOG=str(tmp_path), EW_KILL="2:18", EW_STEPS="80")
     assert result.rc == 0, result.err[-3000:]
     done = finals(result)
     assert sorted(done) == [0, 1, 3]  # worker 3 replaced worker 2
     weights = {tuple(d["w"]) for d in done.values()}
     assert len(weights) == 1, "the final model differs between ranks"
-    assert all(d["step"] == 40 and d["size"] == 3 for d in done.values())
+    assert all(d["step"] == 80 and d["size"] == 3 for d in done.values())
     assert done[0]["sizes"] == [3, 2, 3]
     assert len({d["samples"] for d in done.values()}) == 1
     for survivor in (0, 1):
         counts = steps_done(tmp_path, survivor)
         replayed = sorted(step for step, n in counts.items() if n > 1)
         assert replayed == [16, 17] and max(counts.values()) == 2, counts
-        assert sorted(counts) == list(range(1, 41))
+        assert sorted(counts) == list(range(1, 81))
     joined = steps_done(tmp_path, 3)
     assert joined and min(joined) > 17 and max(joined.values()) == 1
     messages = "\n".join(result.hora_messages())

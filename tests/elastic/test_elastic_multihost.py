@@ -49,7 +49,7 @@ def test_lost_host_then_a_new_host_sizes_go_3_2_3(cluster: _netns.Cluster,
         PY, "-m", "hora.runner", "run", "-p", str(_netns.SSH_PORT), "-i", cluster.identity,
         "-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script", str(script),
         "--verbose", PY, WORKER)
-    env = clean_env(EW_LOG=str(tmp_path), EW_KILL="2:20", EW_MARK=str(mark), EW_STEPS="220",
+    env = clean_env(EW_LOG=str(tmp_path), EW_KILL="2:20", EW_MARK=str(mark), EW_STEPS="300",
                     EW_SLEEP="0.05")
     env["PATH"] = f"{cluster.ssh_bin}:{env['PATH']}"
     with Launcher(argv=argv, env=env, cwd=tmp_path) as launcher:
