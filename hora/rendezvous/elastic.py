@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from hora._util.log import get_logger
 from hora.errors import ElasticError, RendezvousError, RendezvousTimeoutError
 from hora.rendezvous.store_client import KVStoreClient
+from hora.rendezvous.topology import Slot, identity_environment
 
 log = get_logger(__name__)
 
@@ -72,10 +73,9 @@ class Assignment:
     def environment(self) -> dict[str, str]:
         """The identity variables a worker of this generation runs with (Horovod overwrites its
         ``HOROVOD_RANK`` ... variables the same way after a reset)."""
-        values = {"RANK": self.rank, "SIZE": self.size, "LOCAL_RANK": self.local_rank,
-                  "LOCAL_SIZE": self.local_size, "CROSS_RANK": self.cross_rank,
-                  "CROSS_SIZE": self.cross_size, "HOSTNAME": self.hostname}
-        return {f"{p}_{k}": str(v) for p in ("HOROVOD", "HORA") for k, v in values.items()}
+        return identity_environment(Slot(
+            rank=self.rank, size=self.size, hostname=self.hostname, local_rank=self.local_rank,
+            local_size=self.local_size, cross_rank=self.cross_rank, cross_size=self.cross_size))
 
 
 @dataclass(frozen=True)

@@ -47,3 +47,14 @@ def compute_topology(hostnames: Sequence[str]) -> list[Slot]:
                           local_size=len(per_host[host]), cross_rank=peers.index(host),
                           cross_size=len(peers)))
     return slots
+
+
+def identity_environment(slot: Slot) -> dict[str, str]:
+    """``HOROVOD_RANK`` ... ``HOROVOD_HOSTNAME`` exactly as horovodrun's gloo mode sets them for
+    a rank in ``slot``, and the same values as ``HORA_*``."""
+    values = {"RANK": slot.rank, "SIZE": slot.size, "LOCAL_RANK": slot.local_rank,
+              "LOCAL_SIZE": slot.local_size, "CROSS_RANK": slot.cross_rank,
+              "CROSS_SIZE": slot.cross_size, "HOSTNAME": slot.hostname}
+    return {f"{prefix}_{name}": str(value) for prefix in ("HOROVOD", "HORA")
+            for name, value in values.items()}
+

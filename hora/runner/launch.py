@@ -38,7 +38,7 @@ from types import MappingProxyType
 from hora.config import KNOBS_BY_NAME, Config, cli_value_to_env, load
 from hora.errors import ConfigError
 from hora.rendezvous.kvstore import KVStoreServer
-from hora.rendezvous.topology import Slot, compute_topology
+from hora.rendezvous.topology import Slot, compute_topology, identity_environment
 from hora.runner import network, processes, ssh
 from hora.runner.hosts import HostSlots, assign_hosts, is_local_host, parse_hostfile, parse_hosts
 from hora.runner.local import CONSOLE, Console, RankLaunch, run_local
@@ -111,16 +111,6 @@ def forwardable_environment(environ: Mapping[str, str]) -> dict[str, str]:
     the identity variables the launcher sets itself."""
     return {k: v for k, v in environ.items()
             if not _NOT_FORWARDED.match(k) and k not in IDENTITY_VARS}
-
-
-def identity_environment(slot: Slot) -> dict[str, str]:
-    """``HOROVOD_RANK`` ... ``HOROVOD_HOSTNAME`` exactly as horovodrun's gloo mode, and the
-    same values as ``HORA_*``."""
-    values = {"RANK": slot.rank, "SIZE": slot.size, "LOCAL_RANK": slot.local_rank,
-              "LOCAL_SIZE": slot.local_size, "CROSS_RANK": slot.cross_rank,
-              "CROSS_SIZE": slot.cross_size, "HOSTNAME": slot.hostname}
-    return {f"{prefix}_{name}": str(value) for prefix in ("HOROVOD", "HORA")
-            for name, value in values.items()}
 
 
 def launcher_variables(spec: LaunchSpec) -> dict[str, str]:
