@@ -85,7 +85,9 @@ KNOBS: tuple[Knob, ...] = (
        "hora-only: ranks on one host exchange tensors through shared memory (/dev/shm) "
        "instead of TCP.", alias=False),
     _k("hierarchical_allgather", bool, False, "--hierarchical-allgather",
-       "Gather within each host, then across hosts (multi-host jobs).", implemented=False),
+       "Allgather in three steps when a process set spans hosts with several ranks on a host: "
+       "gather within each host (shared memory), exchange across hosts among one leader per "
+       "host (TCP), broadcast within each host. Off by default, as in Horovod."),
     _k("torus_allreduce", bool, False, "--torus-allreduce",
        "2-D torus allreduce (NCCL in Horovod; accepted, no effect).", implemented=False),
     _k("dynamic_process_sets", bool, False, None,

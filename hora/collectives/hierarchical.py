@@ -1,6 +1,6 @@
-"""Hierarchical allreduce for process sets that span hosts: shared memory inside, TCP across.
+"""Hierarchical collectives for process sets that span hosts: shared memory inside, TCP across.
 
-Two algorithms; the caller picks by the layout of the set:
+Allreduce has two algorithms; the caller picks by the layout of the set:
 
 * :func:`hierarchical_allreduce` (Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE`` scheme, the
   default whenever every host holds the same number of the set's ranks): reduce-scatter inside
@@ -23,17 +23,31 @@ Both work in place, treat Average as Sum (the caller scales by ``1/size``), and 
 bytes on every rank: each element's host partial is computed once (or identically on every local
 rank), reduced across hosts by one cross-host allreduce (identical bytes on its ranks), then
 copied.
+
+Allgather has one, :func:`leader_allgather` (Horovod's ``HOROVOD_HIERARCHICAL_ALLGATHER``, any
+layout): gather on each host, exchange the hosts' blocks among one leader per host, broadcast on
+each host. On ``H`` hosts of ``L`` ranks each (the ranks of a host consecutive, as ``hora run``
+places them), each host's link then carries ``(H-1)/H`` of the result each way (the leaders'
+ring), against ``(HL-1)/(HL)`` in the flat ring, which passes every rank's block through every
+host: 1.5x fewer bytes for 2 hosts x 2 ranks, 1.75x for 2 x 4, 1.25x for 4 x 4. What it costs
+is on the host: the ranks copy the host's block through shared memory, the leader copies the
+whole result in, every other rank copies it out, and while the leaders exchange, the other
+ranks wait.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from hora.collectives._buffers import (
     Array,
     check_array,
+    check_counts,
     check_reducible,
+    check_same_dtype,
     elementwise_op,
     even_counts,
     offsets,
@@ -61,12 +75,15 @@ class HostLayout:
         local: the set's ranks (indices into the set) on this rank's host, in rank order.
         cross: the set's ranks this rank exchanges with across hosts: for ``"shard"`` the ranks
             with its local index on every host, in host order; for ``"leader"`` every host's
-            first rank, on those first ranks only; otherwise None.
+            first rank, on those first ranks only; otherwise None. On a host's first rank it is
+            every host's first rank in both schemes (the leaders of :func:`leader_allgather`).
+        hosts: the set's ranks on each host, hosts in order of their first rank.
     """
 
     scheme: str
     local: list[int]
     cross: list[int] | None
+    hosts: list[list[int]] = field(default_factory=list)
 
 
 def host_layout(hostnames: Sequence[str], rank: int) -> HostLayout:
@@ -80,11 +97,11 @@ def host_layout(hostnames: Sequence[str], rank: int) -> HostLayout:
     groups = list(hosts.values())
     local = hosts[hostnames[rank]]
     if len(groups) == 1:
-        return HostLayout("local", local, None)
+        return HostLayout("local", local, None, groups)
     index = local.index(rank)
     if len({len(g) for g in groups}) == 1:
-        return HostLayout("shard", local, [g[index] for g in groups])
-    return HostLayout("leader", local, [g[0] for g in groups] if index == 0 else None)
+        return HostLayout("shard", local, [g[index] for g in groups], groups)
+    return HostLayout("leader", local, [g[0] for g in groups] if index == 0 else None, groups)
 
 
 def _cross_allreduce(cross: Comm | None, buf: Array, op: ReduceOp,
@@ -181,4 +198,91 @@ def leader_allreduce(local: Local, cross: Comm | None, buf: Array, op: ReduceOp,
             broadcast(local, buf, 0)
 
 
-__all__ = ["HostLayout", "hierarchical_allreduce", "host_layout", "leader_allreduce"]
+def leader_allgather(local: Local, cross: Comm | None, sendbuf: Array, counts: Sequence[int],
+                     out: Array, hosts: Sequence[Sequence[int]], rank: int) -> None:
+    """Allgather with per-rank counts across hosts: gather on each host, exchange the hosts'
+    blocks among one leader per host, broadcast on each host. Works for any number of ranks per
+    host, ranks of a host in any positions of the set.
+
+    The result is :func:`~hora.collectives.allgather.allgather`'s over the whole set, on every
+    rank: rank ``i``'s ``counts[i]`` elements at ``out[sum(counts[:i]) : sum(counts[:i + 1])]``.
+    Every rank of the set calls this in the same order with the same ``counts``, ``hosts`` and
+    dtype. ``sendbuf`` may alias this rank's own slot of ``out``.
+
+    Args:
+        local: the ranks of ``hosts[h]``, this rank's host, in that order (a
+            :class:`ShmGroup`, or a :class:`Comm`: then the local phases use the ring
+            algorithms); its rank 0 is the host's leader.
+        cross: on leaders, the comm over every host's leader (``hosts[k][0]``) in the order of
+            ``hosts``; None (or 1 rank) for one host; must be None on the other ranks.
+        sendbuf: 1-D C-contiguous array of ``counts[rank]`` elements.
+        counts: elements contributed by each rank of the set (indices of ``hosts``).
+        out: 1-D C-contiguous writable array of ``sum(counts)`` elements, same dtype.
+        hosts: the set's ranks on each host, every rank once.
+        rank: this rank's index in the set.
+
+    Raises:
+        ValueError: bad buffers or counts, ``hosts`` that do not match ``local`` / ``cross`` /
+            ``rank``, or ``cross`` given on a non-leader.
+        TypeError: ``sendbuf`` and ``out`` dtypes differ.
+        PeerLostError, HoraTimeoutError: a peer died or is stuck (named).
+    """
+    check_array(sendbuf, "allgather sendbuf", writable=False)
+    check_array(out, "allgather out", writable=True)
+    check_same_dtype(sendbuf, "allgather sendbuf", out, "allgather out")
+    order = [i for ranks in hosts for i in ranks]
+    counts = check_counts(counts, len(order), "allgather counts")
+    if sorted(order) != list(range(len(order))) or not 0 <= rank < len(order):
+        raise ValueError(f"hosts {[list(h) for h in hosts]} must hold every rank of the set "
+                         f"once, rank {rank} among them")
+    h = next(k for k, ranks in enumerate(hosts) if rank in ranks)
+    if list(hosts[h]).index(rank) != local.rank or len(hosts[h]) != local.size:
+        raise ValueError(f"rank {rank} is local rank {local.rank} of {local.size} but hosts "
+                         f"say {list(hosts[h])}")
+    if local.rank != 0 and cross is not None:
+        raise ValueError(f"local rank {local.rank} is not its host's leader but got a cross "
+                         "comm; HINT: pass cross only on local rank 0")
+    if cross is not None and (cross.size, cross.rank) != (len(hosts), h):
+        raise ValueError(f"the leaders' comm has {cross.size} ranks (this one {cross.rank}) but "
+                         f"there are {len(hosts)} hosts (this one {h})")
+    bounds = offsets(counts)
+    if sendbuf.size != counts[rank]:
+        raise ValueError(f"allgather sendbuf has {sendbuf.size} elements but counts[{rank}] = "
+                         f"{counts[rank]}")
+    if out.size != bounds[-1]:
+        raise ValueError(f"allgather out has {out.size} elements but sum(counts) = {bounds[-1]}")
+    host_counts = [sum(counts[i] for i in ranks) for ranks in hosts]
+    at = offsets(host_counts)
+    # The leaders exchange whole host blocks, i.e. the result in host order; when that is rank
+    # order (each host's ranks consecutive, hosts in rank order) it is ``out`` itself.
+    in_place = order == sorted(order)
+    leader = local.rank == 0
+    if in_place:
+        major, start = out, at[h]
+    else:
+        major = np.empty(out.size if leader else host_counts[h], out.dtype)
+        start = at[h] if leader else 0
+    block = major[start:start + host_counts[h]]
+    mine = [counts[i] for i in hosts[h]]
+    if local.size == 1:
+        np.copyto(block, sendbuf)
+    elif isinstance(local, ShmGroup):
+        local.allgather(sendbuf, mine, block)
+    else:
+        allgather(local, sendbuf, mine, block)
+    if leader and cross is not None and cross.size > 1:
+        allgather(cross, block, host_counts, major)
+    if leader and not in_place:
+        src = 0
+        for i in order:
+            np.copyto(out[bounds[i]:bounds[i + 1]], major[src:src + counts[i]])
+            src += counts[i]
+    if local.size > 1:
+        if isinstance(local, ShmGroup):
+            local.broadcast(out, 0)
+        else:
+            broadcast(local, out, 0)
+
+
+__all__ = ["HostLayout", "hierarchical_allreduce", "host_layout", "leader_allgather",
+           "leader_allreduce"]

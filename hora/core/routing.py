@@ -8,7 +8,9 @@ the set's comm). The executor calls the route's methods and never picks algorith
   (unless ``HORA_SHM=0``);
 * members on several hosts with several per host -> hierarchical allreduce (reduce on each host
   over shared memory, allreduce across hosts over TCP, spread back), unless
-  ``HOROVOD_HIERARCHICAL_ALLREDUCE=0``; other collectives use the flat TCP ring;
+  ``HOROVOD_HIERARCHICAL_ALLREDUCE=0``; hierarchical allgather (gather on each host, exchange
+  through one leader per host, broadcast on each host) when ``HOROVOD_HIERARCHICAL_ALLGATHER=1``;
+  other collectives use the flat TCP ring;
 * otherwise the TCP ring (or star / recursive doubling, per ``select_allreduce``).
 """
 
@@ -27,7 +29,12 @@ from hora.collectives.allreduce import allreduce
 from hora.collectives.alltoall import alltoall
 from hora.collectives.broadcast import broadcast
 from hora.collectives.comm import Comm, SubComm
-from hora.collectives.hierarchical import hierarchical_allreduce, host_layout, leader_allreduce
+from hora.collectives.hierarchical import (
+    hierarchical_allreduce,
+    host_layout,
+    leader_allgather,
+    leader_allreduce,
+)
 from hora.collectives.ops import ReduceOp
 from hora.collectives.reducescatter import reducescatter
 from hora.collectives.select import select_allreduce
@@ -62,13 +69,15 @@ class Route:
     def __init__(self, comm: Comm, config: Config, *, group: ShmGroup | None = None,
                  shm_free: int = 0, scheme: DataPath = DataPath.RING,
                  local: ShmGroup | Comm | None = None,
-                 cross: Comm | None = None, lane_group: ShmGroup | None = None) -> None:
+                 cross: Comm | None = None, lane_group: ShmGroup | None = None,
+                 gather_hosts: list[list[int]] | None = None) -> None:
         self.comm = comm
         self.group = group  # the whole set on one host, over shared memory
         self.lane_group = lane_group  # a second group for the fast lane (hora.core.fastlane)
         self.scheme = scheme
         self._local = local
         self._cross = cross
+        self._gather_hosts = gather_hosts  # the set's ranks per host: hierarchical allgather
         self._config = config
         self._shm_free = shm_free
 
@@ -124,6 +133,10 @@ class Route:
     def allgather(self, sendbuf: np.ndarray, counts: Sequence[int], out: np.ndarray) -> None:
         if self.group is not None and self._shm_fits(out.nbytes):
             self.group.allgather(sendbuf, counts, out)
+        elif self._gather_hosts is not None and self._local is not None:
+            leader = self._local.rank == 0
+            leader_allgather(self._local, self._cross if leader else None, sendbuf, counts, out,
+                             self._gather_hosts, self.comm.rank)
         else:
             allgather(self.comm, sendbuf, counts, out)
 
@@ -165,11 +178,13 @@ def build_route(comm: Comm, hostnames: Sequence[str], config: Config, job_id: st
         log.debug("process set of %d ranks on one host: shared memory", comm.size)
         return Route(comm, config, group=group, shm_free=free, scheme=DataPath.SHM,
                      lane_group=_lane_group(comm, config, job_id))
+    # Decided from every member's host, never this rank's alone, so all members choose alike.
+    several = len(set(hostnames)) < len(hostnames)  # some host has several ranks
     hierarchical = config.hierarchical_allreduce
-    if hierarchical is None:  # automatic: worth it when some host has several ranks. Decided
-        # from every member's host, never this rank's alone, so all members choose alike.
-        hierarchical = len(set(hostnames)) < len(hostnames)
-    if not hierarchical:
+    if hierarchical is None:  # automatic: worth it when some host has several ranks
+        hierarchical = several
+    gather = config.hierarchical_allgather and several
+    if not hierarchical and not gather:
         return Route(comm, config)
     local_comm: Comm = SubComm(comm, layout.local)
     local: ShmGroup | Comm = local_comm
@@ -177,8 +192,13 @@ def build_route(comm: Comm, hostnames: Sequence[str], config: Config, job_id: st
         group, _ = _shm_group(local_comm, config, job_id)
         local = group if group is not None else local_comm
     cross = SubComm(comm, layout.cross) if layout.cross is not None else None
-    log.debug("process set across hosts: hierarchical allreduce (%s)", layout.scheme)
-    return Route(comm, config, scheme=DataPath(layout.scheme), local=local, cross=cross)
+    if hierarchical:
+        log.debug("process set across hosts: hierarchical allreduce (%s)", layout.scheme)
+    if gather:
+        log.info("process set of %d ranks on %d hosts: hierarchical allgather", comm.size,
+                 len(layout.hosts))
+    return Route(comm, config, scheme=DataPath(layout.scheme) if hierarchical else DataPath.RING,
+                 local=local, cross=cross, gather_hosts=layout.hosts if gather else None)
 
 
 def _shm_group(comm: Comm, config: Config, job_id: str) -> tuple[ShmGroup | None, int]:
