@@ -6,6 +6,9 @@
     python multihost_worker.py hold DIR     init, write DIR/pid.<rank>, then sleep (to be stopped)
     python multihost_worker.py die DIR R    like hold, but rank R SIGKILLs itself once every
                                             rank has written its pid file
+    python multihost_worker.py allgather DIR  allgathers with uneven first dimensions in several
+                                            dtypes; print one JSON line: the cases whose result
+                                            differs from numpy's (none, when all is well)
 """
 
 from __future__ import annotations
@@ -59,6 +62,17 @@ def main() -> None:
             "secret_in_argv": secret_on_a_command_line(env["HORA_SECRET_KEY"]),
         }), flush=True)
         print(f"stderr line of rank {rank}", file=sys.stderr, flush=True)
+        hora.shutdown()
+        return
+    if mode == "allgather":
+        wrong = []
+        for dtype, width in (("float32", 3), ("int64", 1), ("float16", 4), ("uint8", 1000)):
+            parts = [((np.arange(rows * width) + 100 * q) % 120).astype(dtype).reshape(rows, width)
+                     for q, rows in enumerate((q * 5 + 2) % 7 for q in range(size))]
+            got = hora.allgather(parts[rank], name=f"ag.{dtype}")  # 2, 0, 5, 3 rows
+            if got.tobytes() != np.concatenate(parts).tobytes():
+                wrong.append(dtype)
+        print(json.dumps({"rank": rank, "wrong": wrong}), flush=True)
         hora.shutdown()
         return
     write_pid(directory, rank)

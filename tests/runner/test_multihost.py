@@ -107,6 +107,21 @@ def test_ranks_on_two_hosts(cluster: _netns.Cluster, tmp_path: Path) -> None:
     assert no_leftovers(cluster) == {}
 
 
+def test_hierarchical_allgather_two_hosts_two_ranks(cluster: _netns.Cluster,
+                                                    tmp_path: Path) -> None:
+    h1, h2 = addr(cluster, 1), addr(cluster, 2)
+    with hora_run(cluster, "-np", "4", "-H", f"{h1}:2,{h2}:2", "--hierarchical-allgather",
+                  "--verbose", PY, WORKER, "allgather", str(tmp_path)) as launcher:
+        result = launcher.wait(JOB_TIMEOUT)
+    assert result.rc == 0, result.err
+    reports = {r: json.loads(lines[0]) for r, lines in result.lines().items()}
+    assert reports == {r: {"rank": r, "wrong": []} for r in range(4)}
+    logs = result.lines("stderr")
+    assert all(any("process set of 4 ranks on 2 hosts: hierarchical allgather" in line
+                   for line in logs[r]) for r in range(4)), result.err
+    assert no_leftovers(cluster) == {}
+
+
 def test_network_interface_and_a_local_rank(cluster: _netns.Cluster, tmp_path: Path) -> None:
     h0, h2 = addr(cluster, 0), addr(cluster, 2)
     with hora_run(cluster, "-np", "2", "-H", f"{h0}:1,{h2}:1", "--network-interface",
