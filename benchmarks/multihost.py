@@ -1,8 +1,9 @@
-"""Allreduce across separate hosts on shaped links: ring bus bandwidth as a fraction of the link.
+"""Allreduce / allgather across separate hosts on shaped links: bus bandwidth against the link.
 
     sudo python benchmarks/multihost.py                     # 4 hosts x 1 rank, 1 Gbit/s, 0.2 ms
     sudo python benchmarks/multihost.py --rate 500mbit --delay 1ms --mib 16 64
     sudo python benchmarks/multihost.py --layout 2x2        # 2 hosts x 2 ranks (flat vs hier.)
+    sudo python benchmarks/multihost.py --layout 2x2 --op allgather --rounds 3
 
 Makes its own hosts (network namespaces on a private bridge, each with an sshd: the same code as
 the multi-host tests, ``tests/_netns.py``), limits every host's outgoing link with ``tc netem``
@@ -16,7 +17,12 @@ the link rate at best), and busbw / link rate. A single TCP stream between two h
 same shaped link is measured too ("TCP goodput"): the most any protocol gets from that link.
 
 Hierarchical allreduce (``HORA_HIERARCHICAL_ALLREDUCE=1``) is measured against the flat ring for
-``--layout 2x2`` when the knob is implemented; until then the script says so.
+``--layout 2x2``. ``--op allgather``: ``hora.allgather`` instead, ``--mib`` the size of the
+gathered result (each rank contributes ``1/n`` of it), bus bandwidth ``(n-1)/n * bytes / time``
+(NCCL-tests' allgather convention; the flat ring's link carries that much each way), and for
+``--layout 2x2`` the hierarchical allgather (``HORA_HIERARCHICAL_ALLGATHER=1``) against the flat
+ring. ``--rounds N`` runs the jobs N times, alternating (flat, hierarchical, flat, ...), since the
+speed of this machine drifts.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ def _rate_bytes(rate: str) -> float:
 
 # ---- worker (runs as every rank) ---------------------------------------------------------------
 
-def worker(sizes_mib: list[int], seconds: float) -> None:
+def worker(op: str, sizes_mib: list[int], seconds: float) -> None:
     import numpy as np
 
     import hora
@@ -57,17 +63,25 @@ def worker(sizes_mib: list[int], seconds: float) -> None:
     hora.init()
     rank, n = hora.rank(), hora.size()
     rows = []
+
+    def step(x: np.ndarray, name: str) -> None:
+        if op == "allgather":
+            hora.allgather(x, name=name)
+        else:
+            hora.allreduce_(x, op=hora.Sum, name=name)
+
     for mib in sizes_mib:
-        x = np.zeros(mib * MIB // 4, np.float32)  # zeros: repeated in-place sums stay exact
+        # zeros: repeated in-place sums stay exact; an allgather's result is mib MiB
+        x = np.zeros(mib * MIB // 4 // (n if op == "allgather" else 1), np.float32)
         t0 = time.perf_counter()
-        hora.allreduce_(x, op=hora.Sum, name=f"w{mib}")  # warm-up; sizes the repetitions
+        step(x, f"w{mib}")  # warm-up; sizes the repetitions
         once = time.perf_counter() - t0
         reps = hora.broadcast_object(max(3, min(50, int(seconds / max(once, 1e-6)))), 0,
                                      name=f"r{mib}")
         times: list[float] = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            hora.allreduce_(x, op=hora.Sum, name=f"b{mib}")
+            step(x, f"b{mib}")
             times.append(time.perf_counter() - t0)
         slowest = max(hora.allgather_object(statistics.median(times), name=f"m{mib}"))
         rows.append({"mib": mib, "seconds": slowest, "reps": len(times)})
@@ -101,12 +115,12 @@ def tcp_goodput(cluster: _netns.Cluster, mib: int = 64) -> float:
 
 
 def run_job(cluster: _netns.Cluster, layout: list[int], sizes: list[int], seconds: float,
-            env: dict[str, str]) -> dict[str, object]:
+            env: dict[str, str], op: str = "allreduce") -> dict[str, object]:
     hosts = ",".join(f"{h.address}:{k}" for h, k in zip(cluster.hosts, layout))
     argv = cluster.hosts[0].argv(
         PY, "-m", "hora.runner", "run", "-np", str(sum(layout)), "-H", hosts, "-p",
-        str(_netns.SSH_PORT), "-i", cluster.identity, PY, __file__, "--worker", "--seconds",
-        str(seconds), "--mib", *map(str, sizes))
+        str(_netns.SSH_PORT), "-i", cluster.identity, PY, __file__, "--worker", "--op", op,
+        "--seconds", str(seconds), "--mib", *map(str, sizes))
     job_env = {**os.environ, **env, "PATH": f"{cluster.ssh_bin}:{os.environ['PATH']}"}
     done = subprocess.run(argv, env=job_env, capture_output=True, text=True, timeout=900)
     for line in done.stdout.splitlines():
@@ -115,13 +129,14 @@ def run_job(cluster: _netns.Cluster, layout: list[int], sizes: list[int], second
     raise SystemExit(f"job failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
 
 
-def report(title: str, result: dict[str, object], link: float) -> None:
+def report(title: str, result: dict[str, object], link: float, op: str = "allreduce") -> None:
     n = int(result["n"])  # type: ignore[call-overload]
     print(f"\n{title}: {n} ranks")
     print(f"{'size':>8} {'median ms':>10} {'reps':>5} {'busbw MB/s':>11} {'of link':>8}")
+    factor = (n - 1) / n * (2 if op == "allreduce" else 1)
     for row in result["rows"]:  # type: ignore[attr-defined]
         nbytes = row["mib"] * MIB
-        busbw = 2 * (n - 1) / n * nbytes / row["seconds"]
+        busbw = factor * nbytes / row["seconds"]
         print(f"{row['mib']:>5} MiB {row['seconds'] * 1e3:10.1f} {row['reps']:5d} "
               f"{busbw / 1e6:11.1f} {busbw / link:8.1%}")
 
@@ -135,19 +150,21 @@ def main() -> None:
     parser.add_argument("--mib", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--seconds", type=float, default=2.0, help="time per size")
     parser.add_argument("--mtu", type=int, default=1500, help="link MTU [default: 1500]")
+    parser.add_argument("--op", choices=["allreduce", "allgather"], default="allreduce",
+                        help="the collective [default: allreduce]")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the flat (and hierarchical) jobs this many times, alternating")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.mib, args.seconds)
+        worker(args.op, args.mib, args.seconds)
         return
     reason = _netns.unavailable(ssh=True, shaping=True)
     if reason:
         raise SystemExit(f"cannot run: {reason}")
     hosts, per_host = (4, 1) if args.layout == "4x1" else (2, 2)
     link = _rate_bytes(args.rate)
-    from hora.config import KNOBS_BY_NAME
-
-    hierarchical = KNOBS_BY_NAME["hierarchical_allreduce"].implemented
+    knob = f"HORA_HIERARCHICAL_{args.op.upper()}"
     with _netns.Cluster(hosts, mtu=args.mtu) as cluster:
         shaping = cluster.shape(args.rate, args.delay or None)
         print(f"{hosts} hosts x {per_host} rank(s); every host's outgoing link: {shaping}, "
@@ -155,18 +172,18 @@ def main() -> None:
         goodput = tcp_goodput(cluster)
         print(f"one TCP stream over a link: {goodput / 1e6:.1f} MB/s = {goodput / link:.1%} "
               "of the link rate")
-        flat = run_job(cluster, [per_host] * hosts, args.mib, args.seconds,
-                       {"HORA_HIERARCHICAL_ALLREDUCE": "0"})
-        report("flat ring", flat, link)
-        if per_host > 1:
-            if hierarchical:
+        for round_ in range(1, args.rounds + 1):
+            suffix = f" (round {round_})" if args.rounds > 1 else ""
+            flat = run_job(cluster, [per_host] * hosts, args.mib, args.seconds,
+                           {knob: "0"}, args.op)
+            report(f"{args.op}, flat ring{suffix}", flat, link, args.op)
+            if per_host > 1:
                 hier = run_job(cluster, [per_host] * hosts, args.mib, args.seconds,
-                               {"HORA_HIERARCHICAL_ALLREDUCE": "1"})
-                report("hierarchical", hier, link)
-            else:
-                print("\nhierarchical allreduce: HORA_HIERARCHICAL_ALLREDUCE has no effect yet "
-                      "(the knob is accepted, the engine does not use hierarchical.py); only "
-                      "the flat ring was measured.")
+                               {knob: "1"}, args.op)
+                report(f"{args.op}, hierarchical{suffix}", hier, link, args.op)
+                pairs = zip(flat["rows"], hier["rows"])  # type: ignore[call-overload]
+                ratios = [f"{a['mib']} MiB {a['seconds'] / b['seconds']:.2f}x" for a, b in pairs]
+                print("hierarchical / flat speed: " + ", ".join(ratios))
 
 
 if __name__ == "__main__":

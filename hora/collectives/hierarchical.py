@@ -31,8 +31,8 @@ places them), each host's link then carries ``(H-1)/H`` of the result each way (
 ring), against ``(HL-1)/(HL)`` in the flat ring, which passes every rank's block through every
 host: 1.5x fewer bytes for 2 hosts x 2 ranks, 1.75x for 2 x 4, 1.25x for 4 x 4. What it costs
 is on the host: the ranks copy the host's block through shared memory, the leader copies the
-whole result in, every other rank copies it out, and while the leaders exchange, the other
-ranks wait.
+other hosts' blocks in, every other rank copies them out, and while the leaders exchange, the
+other ranks wait.
 """
 
 from __future__ import annotations
@@ -277,11 +277,15 @@ def leader_allgather(local: Local, cross: Comm | None, sendbuf: Array, counts: S
         for i in order:
             np.copyto(out[bounds[i]:bounds[i + 1]], major[src:src + counts[i]])
             src += counts[i]
-    if local.size > 1:
+    if local.size == 1:
+        return
+    # In place, every rank of the host holds the host's block already: spread the rest.
+    spread = [out[:at[h]], out[at[h + 1]:]] if in_place else [out]
+    for part in spread:
         if isinstance(local, ShmGroup):
-            local.broadcast(out, 0)
+            local.broadcast(part, 0)
         else:
-            broadcast(local, out, 0)
+            broadcast(local, part, 0)
 
 
 __all__ = ["HostLayout", "hierarchical_allreduce", "host_layout", "leader_allgather",
