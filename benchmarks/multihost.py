@@ -55,7 +55,7 @@ def _rate_bytes(rate: str) -> float:
 
 # ---- worker (runs as every rank) ---------------------------------------------------------------
 
-def worker(op: str, sizes_mib: list[int], seconds: float) -> None:
+def worker(op: str, sizes_mib: list[float], seconds: float) -> None:
     import numpy as np
 
     import hora
@@ -72,11 +72,11 @@ def worker(op: str, sizes_mib: list[int], seconds: float) -> None:
 
     for mib in sizes_mib:
         # zeros: repeated in-place sums stay exact; an allgather's result is mib MiB
-        x = np.zeros(mib * MIB // 4 // (n if op == "allgather" else 1), np.float32)
+        x = np.zeros(int(mib * MIB) // 4 // (n if op == "allgather" else 1), np.float32)
         t0 = time.perf_counter()
         step(x, f"w{mib}")  # warm-up; sizes the repetitions
         once = time.perf_counter() - t0
-        reps = hora.broadcast_object(max(3, min(50, int(seconds / max(once, 1e-6)))), 0,
+        reps = hora.broadcast_object(max(3, min(1000, int(seconds / max(once, 1e-6)))), 0,
                                      name=f"r{mib}")
         times: list[float] = []
         for _ in range(reps):
@@ -114,7 +114,7 @@ def tcp_goodput(cluster: _netns.Cluster, mib: int = 64) -> float:
     return float(out)
 
 
-def run_job(cluster: _netns.Cluster, layout: list[int], sizes: list[int], seconds: float,
+def run_job(cluster: _netns.Cluster, layout: list[int], sizes: list[float], seconds: float,
             env: dict[str, str], op: str = "allreduce") -> dict[str, object]:
     hosts = ",".join(f"{h.address}:{k}" for h, k in zip(cluster.hosts, layout))
     argv = cluster.hosts[0].argv(
@@ -129,6 +129,10 @@ def run_job(cluster: _netns.Cluster, layout: list[int], sizes: list[int], second
     raise SystemExit(f"job failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
 
 
+def size_text(mib: float) -> str:
+    return f"{mib * 1024:g} KiB" if mib < 1 else f"{mib:g} MiB"
+
+
 def report(title: str, result: dict[str, object], link: float, op: str = "allreduce") -> None:
     n = int(result["n"])  # type: ignore[call-overload]
     print(f"\n{title}: {n} ranks")
@@ -137,7 +141,7 @@ def report(title: str, result: dict[str, object], link: float, op: str = "allred
     for row in result["rows"]:  # type: ignore[attr-defined]
         nbytes = row["mib"] * MIB
         busbw = factor * nbytes / row["seconds"]
-        print(f"{row['mib']:>5} MiB {row['seconds'] * 1e3:10.1f} {row['reps']:5d} "
+        print(f"{size_text(row['mib']):>8} {row['seconds'] * 1e3:10.2f} {row['reps']:5d} "
               f"{busbw / 1e6:11.1f} {busbw / link:8.1%}")
 
 
@@ -147,7 +151,8 @@ def main() -> None:
                         help="hosts x ranks per host [default: 4x1]")
     parser.add_argument("--rate", default="1gbit", help="link rate per host (tc units)")
     parser.add_argument("--delay", default="0.2ms", help="one-way delay per link ('' for none)")
-    parser.add_argument("--mib", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--mib", type=float, nargs="+", default=[1, 4, 16, 64],
+                        help="sizes in MiB (fractions too: 0.00390625 is 4 KiB)")
     parser.add_argument("--seconds", type=float, default=2.0, help="time per size")
     parser.add_argument("--mtu", type=int, default=1500, help="link MTU [default: 1500]")
     parser.add_argument("--op", choices=["allreduce", "allgather"], default="allreduce",
@@ -182,7 +187,8 @@ def main() -> None:
                                {knob: "1"}, args.op)
                 report(f"{args.op}, hierarchical{suffix}", hier, link, args.op)
                 pairs = zip(flat["rows"], hier["rows"])  # type: ignore[call-overload]
-                ratios = [f"{a['mib']} MiB {a['seconds'] / b['seconds']:.2f}x" for a, b in pairs]
+                ratios = [f"{size_text(a['mib'])} {a['seconds'] / b['seconds']:.2f}x"
+                          for a, b in pairs]
                 print("hierarchical / flat speed: " + ", ".join(ratios))
 
 
