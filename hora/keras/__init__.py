@@ -10,3 +10,4 @@ from __future__ import annotations
 from hora.tensorflow.keras import *  # noqa: F403 - the same API under Horovod's other name
 from hora.tensorflow.keras import __all__ as __all__
 from hora.tensorflow.keras import callbacks as callbacks
+from hora.tensorflow.keras import elastic as elastic

@@ -46,7 +46,7 @@ from hora.collectives.ops import ReduceOp
 from hora.tensorflow import mpi_ops as _ops
 from hora.tensorflow.compression import Compression, Compressor
 from hora.tensorflow.functions import allgather_object, broadcast_object
-from hora.tensorflow.keras import callbacks
+from hora.tensorflow.keras import callbacks, elastic
 from hora.tensorflow.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
 
 
@@ -116,7 +116,7 @@ __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max",
     "Min", "PartialDistributedOptimizer", "Product", "ProcessSet", "Sum", "add_process_set",
     "allgather", "allgather_object", "allreduce", "broadcast", "broadcast_global_variables",
-    "broadcast_object", "callbacks", "cross_rank", "cross_size", "global_process_set", "init",
-    "is_initialized", "load_model", "local_rank", "local_size", "rank", "reducescatter",
+    "broadcast_object", "callbacks", "cross_rank", "cross_size", "elastic", "global_process_set",
+    "init", "is_initialized", "load_model", "local_rank", "local_size", "rank", "reducescatter",
     "remove_process_set", "shutdown", "size",
 ]
