@@ -40,6 +40,7 @@ class State:
         self._host_messages: queue.Queue[tuple[float, HostUpdateResult]] = queue.Queue()
         self._last_updated_timestamp = 0.0
         self._reset_callbacks: list[Callable[[], None]] = []
+        self._commit_count = 0  # commits this process made (progress, read by run_fn)
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
         """Call ``callbacks`` after every reset (the new world is up, before the next sync):
@@ -60,6 +61,7 @@ class State:
         removed hosts: raises :class:`~hora.errors.HostsUpdatedInterrupt` on every rank at the
         same commit when membership should change."""
         self.save()
+        self._commit_count += 1
         self.check_host_updates()
 
     def check_host_updates(self) -> None:

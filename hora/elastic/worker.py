@@ -33,10 +33,15 @@ from typing import Any, TypeVar
 from hora._util.log import get_logger
 from hora.elastic.state import State
 from hora.errors import HorovodInternalError, HostsUpdatedInterrupt
+from hora.rendezvous.elastic import session
 
 log = get_logger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+MAX_FAILURES_WITHOUT_DRIVER = 5
+"""Outside an elastic job nothing changes between retries: a failure that recurs this many
+times in a row (no commit in between) is raised instead of retried for ever."""
 
 
 def run_fn(func: F, reset: Callable[[], None]) -> F:
@@ -49,6 +54,7 @@ def run_fn(func: F, reset: Callable[[], None]) -> F:
             raise TypeError(f"the first argument of an @elastic.run function must be an elastic "
                             f"State (TorchState, ObjectState, ...), not {type(state).__name__}")
         skip_sync = False
+        failures, commits = 0, state._commit_count
         while True:
             try:
                 if not skip_sync:
@@ -60,6 +66,13 @@ def run_fn(func: F, reset: Callable[[], None]) -> F:
                             "rebuilding the world", _first_line(exc))
                 state.restore()
                 skip_sync = False
+                failures = failures + 1 if state._commit_count == commits else 1
+                commits = state._commit_count
+                if failures >= MAX_FAILURES_WITHOUT_DRIVER and session(connect=False) is None:
+                    raise HorovodInternalError(
+                        f"the same step failed {failures} times in a row without a commit in "
+                        f"between, and this process has no elastic driver to change the world "
+                        f"(not started by `hora run --min-np ...`): {exc}") from exc
             except HostsUpdatedInterrupt as exc:
                 failed = time.monotonic()
                 log.info("hosts changed; rebuilding the world%s",

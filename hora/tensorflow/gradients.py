@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from hora.collectives.ops import ReduceOp
+from hora.core import context as _context
 from hora.core import distopt
 from hora.core.process_set import ProcessSet
 from hora.tensorflow.bridge import check_dtype, host_call
@@ -49,8 +50,14 @@ class GradientReducer:
         self.local_ids: set[int] = set()
 
     def active(self) -> bool:
-        """False when reducing is the identity (a set of one, or this rank is outside it)."""
-        return bool(self.process_set.included()) and int(self.process_set.size() or 0) > 1
+        """False when reducing is the identity (a set of one, or this rank is outside it). An
+        elastic worker always reduces, as Horovod does under ``HOROVOD_ELASTIC=1``: this runs
+        when a ``tf.function`` is traced, and the world may grow after a one-rank trace."""
+        if not self.process_set.included():
+            return False
+        if int(self.process_set.size() or 0) > 1:
+            return True
+        return bool(_context.get("DistributedGradientTape").config.elastic)
 
     def register_local(self, var: Any) -> None:
         """Leave ``var``'s gradient out of the reduction."""

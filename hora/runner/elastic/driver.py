@@ -24,6 +24,7 @@ jobs), and forms *generations*: the set of workers that train together, their ra
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import secrets
 import sys
@@ -44,6 +45,7 @@ from hora.runner.elastic.health import HostHealth
 from hora.runner.elastic.members import Member, form_generation, summary
 from hora.runner.failures import exit_status, signal_name
 from hora.runner.hosts import is_local_host
+from hora.runner.local import _stop_signals, remove_shm_segments
 from hora.runner.output import CONSOLE, Console
 
 DEFAULT_ELASTIC_TIMEOUT_S = 600.0
@@ -140,8 +142,6 @@ class ElasticDriver:
                 for relay in worker.relays:
                     relay.join(2.0)
             self._server.close()
-            from hora.runner.local import remove_shm_segments
-
             remove_shm_segments(self._env.get("HORA_JOB_ID") if hasattr(self, "_env") else None)
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -259,8 +259,10 @@ class ElasticDriver:
                    f"exited with code {code}")
             blacklisted = self.health.record_failure(m.host)
             self._say(f"{m.describe()} {how}"
-                      + (f"; {m.host} is blacklisted after {self.health.failures(m.host) or 2} "
-                         "failures" if blacklisted else ""))
+                      + (f"; {m.host} is blacklisted after repeated failures"
+                         + (" (--blacklist-cooldown-range lets it return)"
+                            if self.options.cooldown_range is None else " until its cooldown ends")
+                         if blacklisted else ""))
             if blacklisted:
                 for other in self.members.values():
                     if other.alive and other.host == m.host and other.leaving is None:
@@ -291,8 +293,10 @@ class ElasticDriver:
             m.current = None
             if m.process is not None and m.alive:
                 worker = m.process
-                threading.Timer(_STOP_GRACE_S, lambda: processes.stop_workers(
-                    [worker], self.console, quiet=True)).start()
+                timer = threading.Timer(_STOP_GRACE_S, lambda: processes.stop_workers(
+                    [worker], self.console, quiet=True))
+                timer.daemon = True  # the launcher's exit stops every worker anyway
+                timer.start()
 
     # ---- generations --------------------------------------------------------------------------
 
@@ -437,10 +441,6 @@ def run_elastic(spec: launch_mod.LaunchSpec, options: ElasticOptions, *,
                 environ: Mapping[str, str] | None = None, console: Console = CONSOLE) -> int:
     """Run an elastic job; returns the launcher's exit status (0: a worker finished training;
     1: the job could not go on, with the reason said; 128 + N: the launcher got signal N)."""
-    import os
-
-    from hora.runner.local import _stop_signals
-
     driver = ElasticDriver(spec, options, environ=os.environ if environ is None else environ,
                            console=console)
     with _stop_signals(driver.on_signal):

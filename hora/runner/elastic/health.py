@@ -109,11 +109,11 @@ class HostHealth:
             cooldown = self._cooldown(state.times_blacklisted)
             state.out_until = now + cooldown
             if math.isinf(cooldown):
-                log.warning("blacklisting host %s after %d failed workers; it will not be used "
+                log.info("blacklisting host %s after %d failed workers; it will not be used "
                             "again in this job (--blacklist-cooldown-range lets it return)",
                             host, state.failures)
             else:
-                log.warning("blacklisting host %s after %d failed workers, for %.1f s "
+                log.info("blacklisting host %s after %d failed workers, for %.1f s "
                             "(blacklisting number %d)", host, state.failures, cooldown,
                             state.times_blacklisted)
             return True
