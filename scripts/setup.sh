@@ -23,5 +23,15 @@ if ! .venv/bin/python -c "import jax, optax, flax" 2>/dev/null; then
   echo "[setup] installing jax==0.10.2, optax==0.2.8, flax==0.12.8 (CPU; hora.jax)"
   $PIP install "jax==0.10.2" "optax==0.2.8" "flax==0.12.8"
 fi
+if ! .venv/bin/python -c "import ray" 2>/dev/null; then
+  echo "[setup] installing ray==2.60.0 (hora.ray)"
+  $PIP install "ray==2.60.0"
+fi
+if ! .venv/bin/python -c "import pyspark" 2>/dev/null; then
+  # hora.spark; Spark itself needs a Java runtime (.ci/run installs Debian's JRE; tests skip
+  # without one)
+  echo "[setup] installing pyspark==4.3.0 (hora.spark)"
+  $PIP install "pyspark==4.3.0"
+fi
 echo "[setup] installing hora (editable) with test extras"
 $PIP install -e ".[test]"
