@@ -4,7 +4,6 @@ workers on exit (tests/runner/helpers.Launcher)."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from pathlib import Path
@@ -17,17 +16,6 @@ JOB_TIMEOUT = 60.0
 
 def elastic_job(*flags: str, timeout: float = JOB_TIMEOUT, **env: str) -> Result:
     return run_hora("run", *flags, PY, WORKER, env=clean_env(**env), timeout=timeout)
-
-
-def finals(result: Result) -> dict[int, dict]:
-    """The JSON line each worker printed at the end, by worker id."""
-    found = {}
-    for lines in result.lines("stdout").values():
-        for line in lines:
-            if line.startswith("{"):
-                data = json.loads(line)
-                found[data["wid"]] = data
-    return found
 
 
 def steps_done(log: Path, wid: int) -> Counter[int]:
@@ -44,7 +32,7 @@ def test_killed_worker_is_replaced_and_uncommitted_steps_replay_once(tmp_path: P
     result = elastic_job("-np", "3", "--min-np", "2", "--max-np", "3", "--verbose",
                          EW_LOG=str(tmp_path), EW_KILL="2:18", EW_STEPS="80")
     assert result.rc == 0, result.err[-3000:]
-    done = finals(result)
+    done = result.json_lines("wid")
     assert sorted(done) == [0, 1, 3]  # worker 3 replaced worker 2
     weights = {tuple(d["w"]) for d in done.values()}
     assert len(weights) == 1, "the final model differs between ranks"
@@ -73,7 +61,7 @@ def test_a_second_failure_during_the_recovery_sync_recovers_too(tmp_path: Path) 
                          EW_LOG=str(tmp_path), EW_KILL="2:12", EW_KILL_IN_SYNC="1",
                          EW_STEPS="40")
     assert result.rc == 0, result.err[-3000:]
-    done = finals(result)
+    done = result.json_lines("wid")
     assert 0 in done and 1 not in done and 2 not in done
     assert len({tuple(d["w"]) for d in done.values()}) == 1
     assert all(d["step"] == 40 for d in done.values())
@@ -134,7 +122,7 @@ def test_discovery_garbage_later_is_reported_and_the_job_goes_on(tmp_path: Path)
     result = elastic_job("-np", "2", "--host-discovery-script", str(script), EW_STEPS="40",
                          EW_SLEEP="0.06")
     assert result.rc == 0, result.err[-3000:]
-    assert sorted(finals(result)) == [0, 1]
+    assert sorted(result.json_lines("wid")) == [0, 1]
     messages = "\n".join(result.hora_messages())
     assert "host discovery failed; keeping the last hosts it listed (localhost:2)" in messages
     assert "is not <hostname>[:<slots>]" in messages

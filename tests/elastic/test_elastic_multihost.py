@@ -6,7 +6,6 @@ Skipped (with the reason) without root, iproute2 or the OpenSSH server.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,12 +54,7 @@ def test_lost_host_then_a_new_host_sizes_go_3_2_3(cluster: _netns.Cluster,
     with Launcher(argv=argv, env=env, cwd=tmp_path) as launcher:
         result = launcher.wait(100)
     assert result.rc == 0, result.err[-4000:]
-    done = {}
-    for lines in result.lines("stdout").values():
-        for line in lines:
-            if line.startswith("{"):
-                data = json.loads(line)
-                done[data["wid"]] = data
+    done = result.json_lines("wid")
     assert sorted(done) == [0, 1, 3], result.err[-3000:]
     assert len({tuple(d["w"]) for d in done.values()}) == 1
     assert done[0]["sizes"] == [3, 2, 3]

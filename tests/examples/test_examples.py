@@ -58,11 +58,12 @@ class Run:
                 f"{self.err[-3000:]}")
 
 
-def run(args: list[str], cwd: Path, timeout: float) -> Run:
-    """Run ``args`` in a new session; kill its whole process group when done or timed out."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+def run(args: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None) -> Run:
+    """Run ``args`` in a new session (the test environment, :data:`ENV`, then ``env``); kill its
+    whole process group when done or timed out."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=cwd, env={**env, **ENV}, start_new_session=True)
+                            cwd=cwd, env={**base, **ENV, **(env or {})}, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -10,14 +10,12 @@ replacement, which needs a few seconds to import torch, joins before training en
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_examples import run  # the same bounded runner as the other examples' tests
 
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")
@@ -25,29 +23,6 @@ pytest.importorskip("sklearn")
 pytestmark = pytest.mark.integration
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "torch_elastic.py"
-ENV = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "5", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "20",
-       "OMP_NUM_THREADS": "1", "HOROVOD_ELASTIC_TIMEOUT": "30"}
-
-
-def run(args: list[str], cwd: Path, timeout: float) -> tuple[int, str, str]:
-    """Exit status, stdout, stderr of ``args`` run in a new session (killed when done)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=cwd, env={**env, **ENV}, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        err += f"\n[killed after {timeout} s]"
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return proc.returncode, out, err
-
-
 def worker_lines(out: str, wid: int) -> list[str]:
     """Worker ``wid``'s stdout lines, prefix removed."""
     prefix = f"[{wid}]<stdout>:"
@@ -55,10 +30,11 @@ def worker_lines(out: str, wid: int) -> list[str]:
 
 
 def test_a_killed_worker_is_replaced_and_training_finishes(tmp_path: Path) -> None:
-    rc, out, err = run([sys.executable, "-m", "hora.runner.cli", "run", "-np", "3", "--min-np",
-                        "2", "--max-np", "3", "--verbose", sys.executable, str(SCRIPT),
-                        "--epochs", "6", "--kill-worker-at-epoch", "1", "--step-delay", "0.15"],
-                       tmp_path, timeout=90)
+    done = run([sys.executable, "-m", "hora.runner.cli", "run", "-np", "3", "--min-np", "2",
+                "--max-np", "3", "--verbose", sys.executable, str(SCRIPT), "--epochs", "6",
+                "--kill-worker-at-epoch", "1", "--step-delay", "0.15"],
+               tmp_path, timeout=90, env={"HOROVOD_ELASTIC_TIMEOUT": "30"})
+    rc, out, err = done.rc, done.out, done.err
     explain = f"exit {rc}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-4000:]}"
     assert rc == 0, explain
     launcher = [line for line in err.splitlines() if line.startswith("[hora] elastic: ")]
@@ -82,6 +58,6 @@ def test_a_killed_worker_is_replaced_and_training_finishes(tmp_path: Path) -> No
 
 
 def test_help(tmp_path: Path) -> None:
-    rc, out, err = run([sys.executable, str(SCRIPT), "--help"], tmp_path, timeout=60)
-    assert rc == 0, err
-    assert out.startswith("usage: ") and "--kill-worker-at-epoch" in out
+    done = run([sys.executable, str(SCRIPT), "--help"], tmp_path, timeout=60)
+    assert done.rc == 0, done.err
+    assert done.out.startswith("usage: ") and "--kill-worker-at-epoch" in done.out

@@ -8,6 +8,7 @@ leaves processes behind.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -69,6 +70,17 @@ class Result:
         """Relayed lines by rank, from ``stream`` (``"stdout"`` or ``"stderr"``)."""
         text = self.out if stream == "stdout" else self.err
         return relayed(text, stream)
+
+    def json_lines(self, key: str) -> dict[object, dict]:
+        """The JSON objects the ranks printed on stdout (lines starting with ``{``), by the
+        value of their field ``key`` (e.g. an elastic worker's ``"wid"``)."""
+        found: dict[object, dict] = {}
+        for lines in self.lines("stdout").values():
+            for line in lines:
+                if line.startswith("{"):
+                    data = json.loads(line)
+                    found[data[key]] = data
+        return found
 
     def hora_messages(self) -> list[str]:
         """The launcher's own ``[hora]`` lines on stderr, without the prefix."""

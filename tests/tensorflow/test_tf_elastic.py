@@ -6,11 +6,10 @@ SIGKILLs itself mid-training. This process never imports TensorFlow or Keras."""
 from __future__ import annotations
 
 import ast
-import json
 import sys
 
 import pytest
-from runner.helpers import Result, clean_env, run_hora
+from runner.helpers import clean_env, run_hora
 from tf_jobs import HERE, JOB_ENV, CaseJob, needs_tf, run_cases
 
 pytestmark = [pytest.mark.integration, needs_tf]
@@ -42,17 +41,6 @@ def test_job_finished_cleanly(job: CaseJob) -> None:
     assert job.stdout.count("DONE") == 1
 
 
-def _finals(result: Result) -> dict[int, dict]:
-    """The JSON line each worker printed at the end, by worker id."""
-    found = {}
-    for lines in result.lines("stdout").values():
-        for line in lines:
-            if line.startswith("{"):
-                data = json.loads(line)
-                found[data["wid"]] = data
-    return found
-
-
 def test_keras_elastic_job_survives_a_killed_worker() -> None:
     # worker 1 dies before its 4th batch of epoch 1 (commits every 2 batches: one batch is
     # uncommitted); rank 0's allreduce inside fit's train step fails, run() converts the
@@ -66,7 +54,7 @@ def test_keras_elastic_job_survives_a_killed_worker() -> None:
     result = run_hora("run", "-np", "2", "--min-np", "1", "--max-np", "2",
                       sys.executable, WORKER, env=env, timeout=110.0)
     assert result.rc == 0, result.err[-4000:]
-    done = _finals(result)
+    done = result.json_lines("wid")
     assert sorted(done) == [0, 2], (sorted(done), result.err[-3000:])  # 2 replaced 1
     assert done[0]["weights"] == done[2]["weights"], "the final model differs between ranks"
     for d in done.values():
