@@ -41,6 +41,8 @@ from hora.rendezvous.store_client import KVStoreClient
 from hora.runner import launch as _launch
 from hora.runner import run_func as _proto
 from hora.runner import ssh
+from hora.runner.elastic.driver import run_elastic
+from hora.runner.elastic.options import elastic_options
 from hora.runner.failures import WorkerFailure, signal_name
 from hora.runner.hosts import HostSlots, assign_hosts, parse_hostfile, parse_hosts
 from hora.runner.local import CONSOLE, Console
@@ -48,7 +50,7 @@ from hora.runner.local import CONSOLE, Console
 RANK_MODULE = "hora.runner.run_func"
 """The module every rank runs (``python -m``)."""
 
-_ELASTIC = ("min_np", "max_np", "slots", "reset_limit")
+_ELASTIC_ONLY = ("slots", "reset_limit", "cooldown_range")
 
 class RemoteTraceback(Exception):
     """The traceback of an exception raised in a rank, attached as ``__cause__`` of the
@@ -106,11 +108,11 @@ def _check_arguments(func: Any, np: Any, elastic: Mapping[str, Any], use_gloo: b
         raise TypeError(f"hora.run: np must be an int, not {type(np).__name__}")
     if np < 1:
         raise ConfigError(f"hora.run: np must be >= 1, not {np}")
-    given = [name for name in _ELASTIC if elastic.get(name) is not None]
-    if given:
-        raise NotImplementedError(
-            f"hora.run: elastic mode is not implemented yet in hora ({', '.join(given)} given). "
-            "Run a fixed-size job with np=N (and slot counts in hosts='a:2,b:2').")
+    if elastic.get("min_np") is None and elastic.get("host_discovery_script") is None:
+        given = [name for name in _ELASTIC_ONLY if elastic.get(name) is not None]
+        if given:
+            raise ConfigError(f"hora.run: {', '.join(given)} only apply to elastic mode: give "
+                              "min_np= or host_discovery_script= too")
     if use_mpi:
         raise ConfigError(
             "hora.run: use_mpi=True is not available: hora has its own engine and no mpirun "
@@ -224,9 +226,10 @@ def _raise_error(client: KVStoreClient, record: dict[str, Any], np: int) -> None
 
 
 def _outcome(client: KVStoreClient, np: int, status: int,
-             console: _WatchingConsole) -> list[Any]:
+             console: _WatchingConsole, recovered: bool = False) -> list[Any]:
     records = _read_records(client, np)
-    failures = {r: rec for r, rec in records.items() if rec.get("kind") in ("error", "exit")}
+    failures = {} if recovered else {
+        r: rec for r, rec in records.items() if rec.get("kind") in ("error", "exit")}
     # The root cause: a rank that the launcher saw fail first without storing a record died
     # (a signal, os._exit, could not start): nothing else can have caused that. Otherwise the
     # record stored first: a rank stores its exception (or its sys.exit) before it starts
@@ -273,7 +276,9 @@ def _raise_exit(record: dict[str, Any], np: int) -> None:
 def run(func: Callable[..., Any], args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None, np: int = 1,
         min_np: int | None = None, max_np: int | None = None, slots: int | None = None,
-        reset_limit: int | None = None, hosts: str | None = None, hostfile: str | None = None,
+        reset_limit: int | None = None, cooldown_range: tuple[float, float] | None = None,
+        hosts: str | None = None, hostfile: str | None = None,
+        host_discovery_script: str | None = None,
         start_timeout: float | None = None, ssh_port: int | None = None,
         ssh_identity_file: str | None = None, disable_cache: bool | None = None,
         output_filename: str | None = None, verbose: bool | int | None = None,
@@ -295,8 +300,13 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (),
         args: positional arguments for ``func``.
         kwargs: keyword arguments for ``func``.
         np: number of ranks (>= 1).
-        min_np, max_np, slots, reset_limit: elastic mode (not implemented: giving any of them
-            raises NotImplementedError).
+        min_np, max_np, slots, reset_limit, cooldown_range, host_discovery_script: elastic
+            mode, as ``hora run --min-np ... --max-np ... --slots-per-host ... --reset-limit
+            ... --blacklist-cooldown-range ... --host-discovery-script ...`` (elastic when
+            ``min_np`` or ``host_discovery_script`` is given; see docs/elastic.md). ``func``
+            should run ``hora.init()`` and an ``@hvd.elastic.run`` function; the result is the
+            list of the return values of ranks ``0..min_np-1`` of the last generation
+            (Horovod's rule).
         hosts: ``"host1:2,host2:2"``: hosts and their slots, in rank order (default: ``np`` ranks
             on this machine). Ranks on other hosts start over ssh, as with ``hora run -H``.
         hostfile: a file of ``<host> slots=<n>`` lines, instead of ``hosts``.
@@ -320,7 +330,6 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (),
     Raises:
         TypeError: ``func`` is not callable, ``np`` is not an int, or ``(func, args, kwargs)``
             cannot be pickled.
-        NotImplementedError: an elastic argument was given.
         ConfigError: (a ValueError) bad arguments: ``np < 1``, ``use_mpi=True``, hosts and
             hostfile together, a malformed host list, too few slots, an unknown interface, a bad
             ``HORA_*`` variable in the environment. Nothing is started.
@@ -335,8 +344,10 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (),
             the rank and its exit status. The other ranks are stopped, as under ``hora run``.
         KeyboardInterrupt: this process got SIGINT while the job ran (every rank was stopped).
     """
-    _check_arguments(func, np, {"min_np": min_np, "max_np": max_np, "slots": slots,
-                                "reset_limit": reset_limit}, use_gloo, use_mpi, hosts, hostfile)
+    _check_arguments(func, np, {"min_np": min_np, "slots": slots, "reset_limit": reset_limit,
+                                "cooldown_range": cooldown_range,
+                                "host_discovery_script": host_discovery_script},
+                     use_gloo, use_mpi, hosts, hostfile)
     python = executable if executable is not None else sys.executable
     env: dict[str, str] = {}
     interfaces = _interfaces(network_interface)
@@ -363,8 +374,16 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (),
         _proto.put_blob(client, _proto.FUNC_KEY, payload, {})
         environ = {**_environ(), _proto.STORE_VAR: f"{server.host}:{server.port}",
                    _proto.SECRET_VAR: secret.hex()}
-        status = _launch.launch(spec, environ=environ, console=console)
-        return _outcome(client, np, status, console)
+        if min_np is None and host_discovery_script is None:
+            status = _launch.launch(spec, environ=environ, console=console)
+            return _outcome(client, np, status, console)
+        options = elastic_options(np, min_np=min_np, max_np=max_np, hosts=spec.hosts,
+                                  discovery_script=host_discovery_script, slots_per_host=slots,
+                                  reset_limit=reset_limit, cooldown_range=cooldown_range)
+        status = run_elastic(spec, options, environ=environ, console=console)
+        # Elastic: failures the job recovered from are not its outcome; the last generation's
+        # ranks 0..min_np-1 stored the results (each under its final rank).
+        return _outcome(client, options.min_np, status, console, recovered=status == 0)
 
 
 __all__ = ["RANK_MODULE", "RankFailedError", "RemoteTraceback", "run"]

@@ -25,7 +25,8 @@ from hora.config import KNOBS, KNOBS_BY_NAME, cli_value_to_env
 from hora.errors import ConfigError, HoraError
 from hora.runner import check
 from hora.runner.config_file import read_config_file
-from hora.runner.elastic.driver import ElasticOptions, run_elastic
+from hora.runner.elastic.driver import run_elastic
+from hora.runner.elastic.options import ElasticOptions, elastic_options
 from hora.runner.launch import (
     IDENTITY_VARS,
     HostSlots,
@@ -180,32 +181,12 @@ def is_elastic(ns: argparse.Namespace) -> bool:
 
 
 def elastic_from_args(ns: argparse.Namespace, spec: LaunchSpec) -> ElasticOptions:
-    """The elastic part of ``hora run``'s arguments.
-
-    Raises:
-        ConfigError: inconsistent -np / --min-np / --max-np, or a bad cooldown range.
-    """
-    from hora.runner.elastic.discovery import FixedHosts, HostDiscoveryScript
-    from hora.runner.elastic.health import HostHealth
-
-    min_np = ns.min_np if ns.min_np is not None else spec.np
-    if min_np > spec.np:
-        raise ConfigError(f"--min-np {min_np} is more than -np {spec.np}: -np is how many "
-                          "workers start, --min-np the fewest the job trains with")
-    if ns.max_np is not None and ns.max_np < spec.np:
-        raise ConfigError(f"--max-np {ns.max_np} is less than -np {spec.np}")
+    """The elastic part of ``hora run``'s arguments (checked by :func:`elastic_options`)."""
     cooldown = tuple(ns.blacklist_cooldown_range) if ns.blacklist_cooldown_range else None
-    if cooldown is not None:
-        HostHealth(cooldown)  # validates the range, with the flag's name in the message
-    if ns.host_discovery_script is not None:
-        if spec.hosts:
-            raise ConfigError("--host-discovery-script and -H/--hostfile exclude each other: "
-                              "the script says which hosts the job may use")
-        discovery: Any = HostDiscoveryScript(ns.host_discovery_script, ns.slots_per_host)
-    else:
-        discovery = FixedHosts(spec.hosts or (HostSlots("localhost", ns.max_np or spec.np),))
-    return ElasticOptions(discovery=discovery, min_np=min_np, max_np=ns.max_np,
-                          reset_limit=ns.reset_limit, cooldown_range=cooldown)
+    return elastic_options(spec.np, min_np=ns.min_np, max_np=ns.max_np, hosts=spec.hosts,
+                           discovery_script=ns.host_discovery_script,
+                           slots_per_host=ns.slots_per_host, reset_limit=ns.reset_limit,
+                           cooldown_range=cooldown)
 
 
 # ---- entry points ------------------------------------------------------------------------------

@@ -157,10 +157,17 @@ def _report(client: KVStoreClient, rank: int, exc: BaseException, phase: str) ->
     put_blob(client, record_key(rank), payload, header)
 
 
+def _rank() -> int:
+    """This process's rank now: an elastic worker's changes at each reset (``init()`` rewrites
+    ``HORA_RANK``), so it is read when a record is stored."""
+    return int(os.environ.get("HORA_RANK", "0"))
+
+
 def main() -> int:
     """Run this rank's share of a :func:`hora.run` call; returns the exit status."""
     host, port, secret = _take_store()
-    rank = int(os.environ.get("HORA_RANK", "0"))
+    rank = _rank()
+    elastic = "HORA_ELASTIC_WORKER_ID" in os.environ
     timeout = load(strict=False).start_timeout
     with KVStoreClient(host, port, secret, timeout=timeout) as client:
         try:
@@ -173,15 +180,20 @@ def main() -> int:
         try:
             value = func(*args, **kwargs)
         except SystemExit as exc:
+            if elastic and exit_code(exc) == 0:
+                raise  # an elastic worker told to leave (removed, or training finished elsewhere)
+            rank = _rank()
             put_blob(client, record_key(rank), b"", {
                 "kind": "exit", "code": exit_code(exc), "rank": rank,
                 "seq": client.add(SCOPE, FAILURE_COUNTER, 1)})
             raise
         except BaseException as exc:  # noqa: BLE001 (KeyboardInterrupt too: report, exit 1)
+            rank = _rank()
             tb = exc.__traceback__
             _report(client, rank, exc.with_traceback(tb.tb_next if tb is not None else None),
                     "call")
             return 1
+        rank = _rank()
         try:
             data = dumps(value)
         except Exception as exc:  # noqa: BLE001

@@ -31,7 +31,6 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from hora.errors import DiscoveryError, RendezvousTimeoutError
 from hora.rendezvous import elastic as proto
@@ -40,31 +39,17 @@ from hora.rendezvous.store_client import KVStoreClient
 from hora.rendezvous.topology import Slot
 from hora.runner import launch as launch_mod
 from hora.runner import processes, ssh
-from hora.runner.elastic.discovery import DiscoveryPoller, HostDiscovery, describe
+from hora.runner.elastic.discovery import DiscoveryPoller, describe
 from hora.runner.elastic.health import HostHealth
 from hora.runner.elastic.members import Member, form_generation, summary
+from hora.runner.elastic.options import DEFAULT_ELASTIC_TIMEOUT_S, ElasticOptions
 from hora.runner.failures import exit_status, signal_name
 from hora.runner.hosts import is_local_host
 from hora.runner.local import _stop_signals, remove_shm_segments
 from hora.runner.output import CONSOLE, Console
 
-DEFAULT_ELASTIC_TIMEOUT_S = 600.0
-"""``--elastic-timeout`` / ``HOROVOD_ELASTIC_TIMEOUT`` default (Horovod's)."""
-
 _TICK_S = 0.05
 _STOP_GRACE_S = 10.0  # how long told-to-stop workers get before they are stopped
-
-
-@dataclass(frozen=True)
-class ElasticOptions:
-    """What makes a job elastic (``hora run`` flags of the same names)."""
-
-    discovery: HostDiscovery
-    min_np: int
-    max_np: int | None = None
-    reset_limit: int | None = None
-    cooldown_range: tuple[float, float] | None = None
-    elastic_timeout: float | None = None  # None: the elastic_timeout knob (HOROVOD_ELASTIC_TIMEOUT)
 
 
 class ElasticDriver:
@@ -447,4 +432,4 @@ def run_elastic(spec: launch_mod.LaunchSpec, options: ElasticOptions, *,
         return driver.run()
 
 
-__all__ = ["DEFAULT_ELASTIC_TIMEOUT_S", "ElasticDriver", "ElasticOptions", "run_elastic"]
+__all__ = ["ElasticDriver", "run_elastic"]
