@@ -21,6 +21,8 @@ ALLOWED: dict[str, set[str]] = {
     "hora.runner": BASE | {"hora.runner", "hora.rendezvous", "hora.timeline"},
     # hora.spark.run: launcher-side like hora.runner (the tasks start ranks; never the engine)
     "hora.spark": BASE | {"hora.spark", "hora.runner", "hora.rendezvous"},
+    # hora.ray: launcher-side like hora.runner (the driver; the actors run the user's function)
+    "hora.ray": BASE | {"hora.ray", "hora.runner", "hora.rendezvous"},
     # elastic's worker side: states and the loop, above the core, below the adapters
     "hora.elastic": BASE | {"hora.elastic", "hora.core", "hora.rendezvous"},
     "hora.torch": BASE | {"hora.torch", "hora.core", "hora.collectives.ops", "hora.elastic",
