@@ -1,8 +1,8 @@
 """The one knob table: every tunable of hora, its env vars, CLI flag, default and doc.
 
 Bottom layer: imports only :mod:`hora.errors`. The CLI parser (``hora run``), env parsing
-(:func:`load`) and the docs table (``docs/config.md``, :func:`markdown_table`) are all generated
-from :data:`KNOBS`. Flow is always CLI -> env -> :class:`Config` -> API, never back.
+(:func:`load`) and the docs table (``docs/config.md``, by ``scripts/gen_config_docs.py``) are
+all generated from :data:`KNOBS`. Flow is always CLI -> env -> :class:`Config` -> API, never back.
 
 Each knob is read from ``HORA_<NAME>`` first, then its Horovod alias ``HOROVOD_<NAME>``.
 Unknown ``HORA_*`` variables and malformed values raise :class:`~hora.errors.ConfigError`
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,9 @@ class Knob:
         minimum: smallest allowed value for numbers.
         maximum: largest allowed value for numbers, or None.
         hora_only: True for knobs Horovod does not have.
-        implemented: False for Horovod knobs accepted for compatibility with no effect yet.
+        unsupported: for a Horovod knob whose effect hora does not have: why, and what to use
+            instead; any value but ``default`` is refused (:func:`check_supported`).
+        check: extra validation of a parsed value: returns what is wrong, or "".
     """
 
     name: str
@@ -54,7 +56,8 @@ class Knob:
     minimum: float | None = 0
     maximum: float | None = None
     hora_only: bool = False
-    implemented: bool = True
+    unsupported: str = ""
+    check: Callable[[Any], str] | None = None
 
 
 def _k(name: str, typ: type, default: Any, cli: str | None, doc: str, *, alias: bool = True,
@@ -63,6 +66,49 @@ def _k(name: str, typ: type, default: Any, cli: str | None, doc: str, *, alias: 
     return Knob(name=name, type=typ, default=default, env=f"HORA_{upper}",
                 alias=f"HOROVOD_{upper}" if alias else None, cli=cli, doc=doc,
                 hora_only=not alias, **kw)
+
+
+# Why hora refuses a Horovod knob's "on" values, and what to use instead (Knob.unsupported).
+_NO_TORUS = (
+    "hora does not support the torus allreduce: Horovod's is a 2-D allreduce of GPU tensors "
+    "over NCCL, and hora has no NCCL (its collectives run on the CPU: shared memory within a "
+    "host, TCP across hosts). hora's two-level allreduce is hierarchical allreduce (within each "
+    "host, then across hosts): HOROVOD_HIERARCHICAL_ALLREDUCE=1 or hora run "
+    "--hierarchical-allreduce (automatic when a process set spans hosts with several ranks on "
+    "a host).")
+_TUNE_BY_HAND = (
+    "Tune by hand: time a few steps (benchmarks/train_step.py, or your own) with a few values "
+    "of the fusion threshold (HOROVOD_FUSION_THRESHOLD in bytes, --fusion-threshold-mb) and the "
+    "cycle time (HOROVOD_CYCLE_TIME, --cycle-time-ms), e.g. `HOROVOD_FUSION_THRESHOLD=33554432 "
+    "HOROVOD_CYCLE_TIME=1 python benchmarks/train_step.py`; keep the fastest (defaults: 128 MB, "
+    "0 ms).")
+_NO_AUTOTUNE = ("hora does not support autotune yet: the autotuner (Bayesian optimisation of "
+                "the fusion threshold and cycle time from measured throughput) is not built. "
+                + _TUNE_BY_HAND)
+_NO_AUTOTUNE_PART = ("hora does not support autotune yet (the autotuner is not built), and this "
+                     "setting only matters with autotune (HOROVOD_AUTOTUNE=1, hora run "
+                     "--autotune), so only its default is accepted. " + _TUNE_BY_HAND)
+_NO_NCCL_STREAMS = (
+    "hora does not support NCCL streams: it has no NCCL (its collectives run on the CPU; CUDA "
+    "tensors are copied to host memory for them). Where GPU bandwidth matters, use NCCL "
+    "through torch.distributed.")
+_NO_MPI_CONTROLLER = (
+    "hora does not support the MPI controller: its own engine negotiates over TCP with rank 0 "
+    "as the coordinator, the part Horovod's gloo controller plays (hora run sets "
+    "HOROVOD_CONTROLLER=gloo, as horovodrun does). Ranks started by mpirun need no MPI "
+    "controller: init() reads Open MPI's environment.")
+_NO_CPU_OPERATIONS = (
+    "hora does not support MPI or oneCCL CPU operations: its own CPU collectives (ring and "
+    "recursive doubling over TCP, shared memory within a host) play the part of Horovod's gloo "
+    "operations (hora run sets HOROVOD_CPU_OPERATIONS=gloo, as horovodrun does). Pick the "
+    "allreduce algorithm with HORA_ALLREDUCE_ALGORITHM (--allreduce-algorithm).")
+
+
+def _core_list_problem(text: Any) -> str:
+    """What is wrong with a ``thread_affinity`` value ("" when it is fine or empty)."""
+    bad = [i.strip() for i in str(text).split(",") if not i.strip().isdigit()]
+    return (f"expected a comma list of CPU core numbers, one per local rank (e.g. '0,1'), and "
+            f"{bad[0]!r} is not a core number") if bad and str(text).strip() else ""
 
 
 KNOBS: tuple[Knob, ...] = (
@@ -88,12 +134,12 @@ KNOBS: tuple[Knob, ...] = (
        "Allgather in three steps when a process set spans hosts with several ranks on a host: "
        "gather within each host (shared memory), exchange across hosts among one leader per "
        "host (TCP), broadcast within each host. Off by default, as in Horovod."),
-    _k("torus_allreduce", bool, False, "--torus-allreduce",
-       "2-D torus allreduce (NCCL in Horovod; accepted, no effect).", implemented=False),
     _k("dynamic_process_sets", bool, False, None,
        "Allow add_process_set / remove_process_set after init."),
     _k("disable_group_fusion", bool, False, None,
-       "Fuse grouped ops only with members of the same group."),
+       "Fuse an allreduce only with the other members of its grouped_allreduce call. As in "
+       "Horovod, where every op then forms a group of its own, a plain allreduce (each "
+       "gradient of a DistributedOptimizer without groups) is then not fused at all."),
     _k("allreduce_algorithm", str, "auto", "--allreduce-algorithm",
        "hora-only: 'auto' (ring, or recursive doubling for small tensors), 'ring', 'small' "
        "(recursive doubling), or 'star' (parameter-server style: everyone sends to rank 0).",
@@ -153,31 +199,38 @@ KNOBS: tuple[Knob, ...] = (
     _k("elastic", bool, False, None,
        "Set by an elastic launcher for its ranks: DistributedOptimizer registers its hooks even "
        "while the job has one rank (it may grow)."),
-    # --- accepted for compatibility, no effect ---
-    _k("autotune", bool, False, "--autotune",
-       "Autotune fusion threshold and cycle time (accepted; not implemented yet).",
-       implemented=False),
-    _k("autotune_log", str, "", "--autotune-log-file", "Autotune CSV log.", implemented=False),
-    _k("autotune_warmup_samples", int, 3, "--autotune-warmup-samples",
-       "Autotune: samples discarded at the start.", implemented=False),
-    _k("autotune_steps_per_sample", int, 10, "--autotune-steps-per-sample",
-       "Autotune: steps per sample.", implemented=False),
-    _k("autotune_bayes_opt_max_samples", int, 20, "--autotune-bayes-opt-max-samples",
-       "Autotune: Bayesian optimisation samples.", implemented=False),
-    _k("autotune_gaussian_process_noise", float, 0.8, "--autotune-gaussian-process-noise",
-       "Autotune: Gaussian process noise, in [0, 1].", maximum=1.0, implemented=False),
     _k("thread_affinity", str, "", "--thread-affinity",
-       "Core list for the background thread (accepted; no effect).", implemented=False),
-    _k("num_nccl_streams", int, 1, "--num-nccl-streams", "NCCL streams (accepted; no effect).",
-       implemented=False),
+       "Comma list of CPU cores, one per local rank (Linux): local rank i pins hora's "
+       "background threads (the engine thread and the fast-lane threads it starts) to core i "
+       "of the list, as Horovod pins its background thread. Unset: no pinning.",
+       check=_core_list_problem),
     _k("mpi_threads_disable", bool, False, "--mpi-threads-disable",
-       "Request MPI_THREAD_SINGLE (accepted; no effect).", implemented=False),
+       "Horovod: ask MPI for MPI_THREAD_SINGLE. hora never initialises MPI, so neither thread "
+       "level is requested, as in Horovod's gloo mode: 0 and 1 are both accepted."),
+    # --- Horovod knobs whose effect hora does not have: any value but the default is refused
+    _k("torus_allreduce", bool, False, "--torus-allreduce",
+       "Horovod's 2-D torus allreduce of GPU tensors over NCCL.", unsupported=_NO_TORUS),
+    _k("autotune", bool, False, "--autotune",
+       "Horovod's autotuner of the fusion threshold and cycle time.", unsupported=_NO_AUTOTUNE),
+    _k("autotune_log", str, "", "--autotune-log-file", "Autotune: CSV log file.",
+       unsupported=_NO_AUTOTUNE_PART),
+    _k("autotune_warmup_samples", int, 3, "--autotune-warmup-samples",
+       "Autotune: samples discarded at the start.", unsupported=_NO_AUTOTUNE_PART),
+    _k("autotune_steps_per_sample", int, 10, "--autotune-steps-per-sample",
+       "Autotune: steps per sample.", unsupported=_NO_AUTOTUNE_PART),
+    _k("autotune_bayes_opt_max_samples", int, 20, "--autotune-bayes-opt-max-samples",
+       "Autotune: Bayesian optimisation samples.", unsupported=_NO_AUTOTUNE_PART),
+    _k("autotune_gaussian_process_noise", float, 0.8, "--autotune-gaussian-process-noise",
+       "Autotune: Gaussian process noise, in [0, 1].", maximum=1.0,
+       unsupported=_NO_AUTOTUNE_PART),
+    _k("num_nccl_streams", int, 1, "--num-nccl-streams", "Horovod: NCCL streams per GPU.",
+       unsupported=_NO_NCCL_STREAMS),
     _k("controller", str, "gloo", None,
-       "Controller: hora's own engine answers to 'gloo' and 'mpi'.", choices=("gloo", "mpi"),
-       implemented=False),
+       "Horovod's controller; hora run sets 'gloo' for every rank, as horovodrun does.",
+       choices=("gloo", "mpi"), unsupported=_NO_MPI_CONTROLLER),
     _k("cpu_operations", str, "gloo", None,
-       "CPU op library: hora's own collectives answer to 'gloo', 'mpi' and 'ccl'.",
-       choices=("gloo", "mpi", "ccl"), implemented=False),
+       "Horovod's library of CPU collectives; hora run sets 'gloo' for every rank, as "
+       "horovodrun does.", choices=("gloo", "mpi", "ccl"), unsupported=_NO_CPU_OPERATIONS),
 )
 
 KNOBS_BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
@@ -224,42 +277,68 @@ def parse_value(knob: Knob, raw: str, source: str) -> Any:
     """Parse ``raw`` (from ``source``, e.g. an env var name) into the knob's type.
 
     Raises:
-        ConfigError: naming the knob, the source and the accepted form.
+        ConfigError: naming the knob, the source and the accepted form; or, for a value that
+            asks for an effect hora does not have, saying so (:func:`check_supported`).
     """
-    text = raw.strip()
     try:
-        if knob.type is bool:
-            low = text.lower()
-            if low in _TRUE:
-                return True
-            if low in _FALSE:
-                return False
-            raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
-        if knob.type is int:
-            value: Any = int(float(text)) if text.lower().endswith(("e", ".0")) else int(text)
-        elif knob.type is float:
-            value = float(text)
-        else:
-            value = text
-            if knob.choices is not None:
-                value = text.lower()
-                if value not in knob.choices:
-                    raise ValueError(f"expected one of {', '.join(knob.choices)}")
-            return value
+        value = _convert(knob, raw.strip())
     except ValueError as exc:
-        raise ConfigError(
-            f"{source}={raw!r} is not a valid value for knob '{knob.name}' "
-            f"({knob.type.__name__}): {exc}. {knob.doc}"
-        ) from None
-    if knob.minimum is not None and value < knob.minimum:
-        raise ConfigError(
-            f"{source}={raw!r}: knob '{knob.name}' must be >= {knob.minimum}. {knob.doc}"
-        )
-    if knob.maximum is not None and value > knob.maximum:
-        raise ConfigError(
-            f"{source}={raw!r}: knob '{knob.name}' must be <= {knob.maximum}. {knob.doc}"
-        )
+        raise ConfigError(f"{source}={raw!r} is not a valid value for knob '{knob.name}' "
+                          f"({knob.type.__name__}): {exc}. {knob.doc}") from None
+    if knob.type in (int, float):
+        for bad, bound in ((knob.minimum is not None and value < knob.minimum,
+                            f">= {knob.minimum}"),
+                           (knob.maximum is not None and value > knob.maximum,
+                            f"<= {knob.maximum}")):
+            if bad:
+                raise ConfigError(f"{source}={raw!r}: knob '{knob.name}' must be {bound}. "
+                                  f"{knob.doc}")
+    check_supported(knob, value, source, raw)
     return value
+
+
+def _convert(knob: Knob, text: str) -> Any:
+    if knob.type is bool:
+        if text.lower() not in _TRUE | _FALSE:
+            raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+        return text.lower() in _TRUE
+    if knob.type is int:
+        return int(float(text)) if text.lower().endswith(("e", ".0")) else int(text)
+    if knob.type is float:
+        return float(text)
+    value = text.lower() if knob.choices is not None else text
+    if knob.choices is not None and value not in knob.choices:
+        raise ValueError(f"expected one of {', '.join(knob.choices)}")
+    problem = knob.check(value) if knob.check is not None else ""
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+def check_supported(knob: Knob, value: Any, source: str, raw: str | None = None) -> None:
+    """Refuse ``value`` (from ``source``: a variable, a ``hora run`` flag or a config file
+    entry; ``raw``: the text given) if it asks for an effect hora does not have.
+
+    Raises:
+        ConfigError: that hora does not support it, why, what to use instead, how to go on.
+    """
+    if not knob.unsupported or value == knob.default:
+        return
+    keep = f" or set it to {_show(knob.default)}" if _show(knob.default) else ""
+    fix = (f"Drop {source}." if source.startswith("-") else f"To go on, unset {source}{keep}."
+           if source.startswith(("HORA_", "HOROVOD_")) else
+           f"To go on, remove it from the config file{keep}.")
+    given = source if raw is None else f"{source}={raw!r}"
+    raise ConfigError(f"{given}: {knob.unsupported} {fix}")
+
+
+def accepted_text(knob: Knob) -> str:
+    """What an unsupported knob accepts, for docs and help: "unset or 0"."""
+    return " or ".join(["unset", _show(knob.default)] if _show(knob.default) else ["unset"])
+
+
+def _show(value: Any) -> str:
+    return str(int(value)) if isinstance(value, bool) else "" if value in ("", None) else str(value)
 
 
 @dataclass(frozen=True)
@@ -358,26 +437,14 @@ def cli_value_to_env(knob: Knob, value: Any) -> str:
     return str(value)
 
 
-def markdown_table(knobs: tuple[Knob, ...] = KNOBS) -> str:
-    """The knob table as Markdown (for docs/config.md)."""
-    rows = ["| knob | `HORA_*` env | Horovod alias | `hora run` flag | default | doc |",
-            "|---|---|---|---|---|---|"]
-    for k in knobs:
-        note = "" if k.implemented else " *(accepted; no effect yet)*"
-        rows.append(
-            f"| {k.name} | `{k.env}` | {f'`{k.alias}`' if k.alias else '(hora-only)'} | "
-            f"{f'`{k.cli}`' if k.cli else ''} | `{k.default!r}` | {k.doc}{note} |"
-        )
-    return "\n".join(rows) + "\n"
-
-
 __all__ = [
     "KNOBS",
     "KNOBS_BY_NAME",
     "Config",
     "Knob",
+    "accepted_text",
+    "check_supported",
     "cli_value_to_env",
     "load",
-    "markdown_table",
     "parse_value",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hora.config import markdown_table
+from hora.config import KNOBS, Knob, accepted_text
 
 HEADER = """# Configuration knobs
 
@@ -16,7 +16,35 @@ malformed value is an error that names the knob. An unknown `HOROVOD_*` variable
 the identity, build and GPU-library variables Horovod defines) gets a warning from rank 0 with
 the closest known name: Horovod ignores unknown names, so hora does not refuse them.
 
+Every knob has an effect, or is refused. A Horovod knob whose effect hora does not have (the
+torus allreduce, autotune, NCCL streams, the MPI controller, MPI or oneCCL CPU operations) accepts
+only the value that matches what hora does: unset, or its default (`gloo` for
+`HOROVOD_CONTROLLER` and `HOROVOD_CPU_OPERATIONS`, which `hora run` sets for every rank, as
+horovodrun does). Any other value, whether from the environment, a `hora run` flag or a
+`--config-file`, is refused (by `hora run` before anything starts, by `init()` otherwise) with
+the reason and what to use instead; the last column gives both. Autotune is not built yet: until
+it is, `HOROVOD_AUTOTUNE=1` is refused, and so is any `HOROVOD_AUTOTUNE_*` setting away from its
+default, since those only matter with autotune on. `HOROVOD_MPI_THREADS_DISABLE` accepts 0 and
+1: hora never initialises MPI, so neither thread level is requested, as in Horovod's gloo mode.
+`hora check` lists the refused settings.
+
 """
+
+
+def markdown_table(knobs: tuple[Knob, ...] = KNOBS) -> str:
+    """The knob table as Markdown; a knob hora refuses says so, why, and what to use instead."""
+    rows = ["| knob | `HORA_*` env | Horovod alias | `hora run` flag | default | doc |",
+            "|---|---|---|---|---|---|"]
+    for k in knobs:
+        note = ""
+        if k.unsupported:
+            note = (f" **Not supported** ({accepted_text(k)} accepted, other values "
+                    f"refused): {k.unsupported}")
+        rows.append(
+            f"| {k.name} | `{k.env}` | {f'`{k.alias}`' if k.alias else '(hora-only)'} | "
+            f"{f'`{k.cli}`' if k.cli else ''} | `{k.default!r}` | {k.doc}{note} |"
+        )
+    return "\n".join(rows) + "\n"
 
 
 def render() -> str:

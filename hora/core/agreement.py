@@ -58,7 +58,8 @@ def response_signature(resp: Response, index: int = 0) -> Signature:
 
 class FusionKey(NamedTuple):
     """Allreduces fuse into one buffer only if these are equal: one process set, dtype,
-    device, op and pair of scale factors per collective."""
+    device, op and pair of scale factors per collective, and with
+    ``HORA_DISABLE_GROUP_FUSION`` the group (:attr:`Response.group`)."""
 
     kind: OpKind
     set_id: int
@@ -67,6 +68,7 @@ class FusionKey(NamedTuple):
     op: int
     prescale: float
     postscale: float
+    group: str
 
 
 def fusable(resp: Response) -> bool:
@@ -79,4 +81,4 @@ def fusable(resp: Response) -> bool:
 def fusion_key(resp: Response) -> FusionKey:
     """The :class:`FusionKey` of a response."""
     return FusionKey(resp.kind, resp.set_id, resp.dtype, resp.device, resp.op, resp.prescale,
-                     resp.postscale)
+                     resp.postscale, resp.group)

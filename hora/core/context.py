@@ -20,11 +20,13 @@ import hora.config as config_mod
 from hora._util import log as hlog
 from hora._util.net import interface_address, is_loopback, route_source
 from hora.config import Config
+from hora.core import affinity
 from hora.core import process_set as process_set_mod
 from hora.core.engine import Engine
 from hora.core.handle import HandleTable
 from hora.core.process_set import ProcessSet, Registry, global_process_set
 from hora.errors import (
+    ConfigError,
     HoraInternalError,
     NotInitializedError,
     RendezvousError,
@@ -134,6 +136,15 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         def pick(value: int | None, computed: int) -> int:
             return computed if value is None else value
 
+        local_rank = pick(info.local_rank, slot.local_rank)
+        local_size = pick(info.local_size, slot.local_size)
+        try:
+            core = affinity.core_for(config.thread_affinity, local_rank, local_size)
+        except ConfigError:
+            transport.close()
+            for c in closers:
+                c.close()
+            raise
         registry = Registry(info.size)
         for ps in sets:
             ps.process_set_id = registry.register(ps.ranks)
@@ -145,8 +156,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
                         job_id=job_id_from_env(os.environ, info.secret))
         _ctx = Context(
             config=config, engine=engine, rank=info.rank, size=info.size,
-            local_rank=pick(info.local_rank, slot.local_rank),
-            local_size=pick(info.local_size, slot.local_size),
+            local_rank=local_rank, local_size=local_size,
             cross_rank=pick(info.cross_rank, slot.cross_rank),
             cross_size=pick(info.cross_size, slot.cross_size),
             hostname=info.hostname, launcher=info.launcher, hostnames=hostnames,
@@ -155,7 +165,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         _dynamic = dynamic
         if dynamic:
             os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
-        engine.start()
+        engine.start(cpu_core=core)
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True

@@ -205,7 +205,8 @@ class Coordinator:
         resp = Response(kind=first.kind, names=[name], set_id=set_id, dtype=first.dtype,
                         device=first.device, op=first.op, root=first.root,
                         prescale=first.prescale, postscale=first.postscale,
-                        shapes=[list(first.shape)], joined=joined)
+                        shapes=[list(first.shape)], joined=joined,
+                        group=(first.group or name) if self._config.disable_group_fusion else "")
         if first.kind is OpKind.BROADCAST and first.root not in members:
             return _error(first, f"broadcast received invalid root rank {first.root} for "
                                  f"'{name}': it is not a member of process set {set_id} "

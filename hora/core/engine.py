@@ -28,7 +28,7 @@ from collections import deque
 
 from hora._util.log import get_logger
 from hora.config import Config
-from hora.core import trace
+from hora.core import affinity, trace
 from hora.core.coordinator import Coordinator
 from hora.core.deadlock import WaitReports
 from hora.core.entry import Entry
@@ -107,9 +107,13 @@ class Engine:
         self._liveness = Liveness(transport, config.heartbeat_timeout_seconds)
         self._departed = self._liveness.departed
         self._thread = threading.Thread(target=self._run, name="hora-engine", daemon=True)
+        self._cpu_core: int | None = None
 
     # ---- user side ---------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, cpu_core: int | None = None) -> None:
+        """Start the background thread; ``cpu_core``: pin it (and the fast-lane threads it
+        starts) to that core (``HOROVOD_THREAD_AFFINITY``, :mod:`hora.core.affinity`)."""
+        self._cpu_core = cpu_core
         self._thread.start()
 
     def submit(self, entry: Entry) -> None:
@@ -223,6 +227,14 @@ class Engine:
 
     # ---- background thread -------------------------------------------------------------------
     def _run(self) -> None:
+        if self._cpu_core is not None:
+            try:
+                affinity.pin_current_thread(self._cpu_core)
+                log.info("background threads pinned to core %d (HOROVOD_THREAD_AFFINITY)",
+                         self._cpu_core)
+            except OSError as exc:  # checked at init(); the core may have gone offline since
+                log.error("could not pin the background threads to core %d "
+                          "(HOROVOD_THREAD_AFFINITY): %s", self._cpu_core, exc)
         check_every = max(0.5, min(5.0, self.config.stall_check_time_seconds / 4))
         next_check = time.monotonic() + check_every
         deadlock_every = max(0.02, min(0.1, self.config.deadlock_time_seconds / 8))

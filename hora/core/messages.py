@@ -78,6 +78,9 @@ class Response:
     error: str = ""
     value: int = -1  # JOIN: last joined rank; ADD_PROCESS_SET: new id; REMOVE: removed id
     ranks: list[int] | None = None
+    # HORA_DISABLE_GROUP_FUSION: the group this op fuses within (its grouped call, or, as in
+    # Horovod where every op then forms a group, its own name); "" when the knob is off
+    group: str = ""
 
 
 ERROR_MISMATCH, ERROR_SHUTDOWN, ERROR_STALL, ERROR_DEADLOCK = 0, 1, 2, 3

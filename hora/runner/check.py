@@ -1,7 +1,8 @@
 """``hora check`` / ``hora run -cb``: what this installation can do.
 
 Runner layer. Reports hora's version, Python, numpy, bfloat16 support, the frameworks hora has
-adapters for, the transports and launchers available, and the same facts in ``horovodrun
+adapters for, the transports and launchers available, the Horovod settings whose effect hora
+does not have (refused: from the knob table), and the same facts in ``horovodrun
 --check-build``'s checklist format. Nothing heavy is imported: packages are probed with
 :func:`importlib.util.find_spec` and :func:`importlib.metadata.version`, and hora's own optional
 modules by looking for their files.
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hora._util import build_info as build
+from hora.config import KNOBS, accepted_text
 
 HOROVOD_API_VERSION = "0.28.1"
 """The Horovod release whose API and ``horovodrun`` flags hora follows."""
@@ -130,7 +132,9 @@ def probes() -> dict[str, list[Probe]]:
             Probe("torch.distributed nccl",
                   cuda and hora_has("transports.torch"),
                   ("CPU-only torch build" if torch_v is not None and not cuda
-                   else _optional(torch_v, "torch (CUDA build)", "transports.torch"))),
+                   and hora_has("transports.torch")
+                   else _optional(torch_v, "torch (CUDA build)" if cuda else "torch",
+                                  "transports.torch"))),
         ],
         "Launchers": [
             Probe("hora run", True, "this host, and other hosts over ssh (-H, --hostfile)"
@@ -146,7 +150,27 @@ def probes() -> dict[str, list[Probe]]:
                   "`torchrun --nproc-per-node N train.py` needs no hora run" if torch_v
                   else "comes with torch"),
         ],
+        "Horovod settings": _settings(),
     }
+
+
+def _settings() -> list[Probe]:
+    """Horovod settings whose effect depends on the platform, or that hora refuses (from the
+    knob table, so this cannot drift from what ``init()`` does)."""
+    pin = hasattr(os, "sched_setaffinity")
+    rows = [Probe("HOROVOD_THREAD_AFFINITY", pin, "pins the engine's background threads, one "
+                  "core per local rank" if pin else "needs Linux: setting it is refused")]
+    for knob in KNOBS:
+        if not knob.unsupported or knob.name.startswith("autotune_"):
+            continue  # autotune_*: one row with autotune
+        name = knob.alias or knob.env
+        accepted = f"{accepted_text(knob)} accepted"
+        if knob.name == "autotune":
+            name += ", HOROVOD_AUTOTUNE_*"
+            accepted += " (HOROVOD_AUTOTUNE_*: unset or their defaults)"
+        reason = knob.unsupported.split(":")[0].split(".")[0]
+        rows.append(Probe(name, False, f"{reason}: {accepted}, other values refused"))
+    return rows
 
 
 def _optional(version: str | None, package: str, module: str) -> str:
@@ -215,7 +239,8 @@ def main(argv: list[str] | None = None, *, checklist_first: bool = False) -> int
     """
     parser = argparse.ArgumentParser(
         prog="hora check", description="Show what this hora installation can do: frameworks, "
-        "transports, launchers, and horovodrun --check-build's checklist.")
+        "transports, launchers, the Horovod settings it refuses, and horovodrun "
+        "--check-build's checklist.")
     parser.parse_args(argv)
     found = probes()
     parts = [report_text(found), check_build_text(found)]

@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any, NoReturn
 
-from hora.config import KNOBS, Knob, parse_value
+from hora.config import KNOBS, Knob, accepted_text, check_supported, parse_value
 from hora.errors import ConfigError
 
 PROG = "hora"
@@ -21,7 +21,7 @@ _GROUPS: tuple[tuple[str, str], ...] = (
     ("general", "general"),
     ("ssh", "ssh (ranks on hosts other than this machine are started over ssh)"),
     ("tunables", "tunables (exported to the ranks as HORA_* variables)"),
-    ("autotune", "autotune (accepted; no effect yet)"),
+    ("autotune", "autotune (not built yet: any value but the default is refused)"),
     ("elastic", "elastic training (enabled by --min-np or --host-discovery-script)"),
     ("timeline", "timeline"),
     ("stall", "stall check"),
@@ -149,6 +149,25 @@ def _knob_parser(knob: Knob, flag: str) -> Any:
     return parse
 
 
+class _KnobSwitch(argparse.BooleanOptionalAction):
+    """``--flag`` / ``--no-flag`` of a bool knob; a value hora does not support (``--autotune``)
+    is a usage error with the knob's reason (:func:`hora.config.check_supported`)."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, knob: Knob,
+                 **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.knob = knob
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        try:
+            check_supported(self.knob, getattr(namespace, self.dest),
+                            option_string or self.knob.cli or self.knob.env)
+        except ConfigError as exc:
+            raise argparse.ArgumentError(self, str(exc)) from None
+
+
 def _knob_help(knob: Knob) -> str:
     if knob.type is bool:
         default = "automatic" if knob.default is None else "on" if knob.default else "off"
@@ -158,7 +177,8 @@ def _knob_help(knob: Knob) -> str:
         default = "unset"
     else:
         default = str(knob.default)
-    note = "" if knob.implemented or "accepted" in knob.doc else " Accepted; no effect yet."
+    note = (f" Not supported in hora: {accepted_text(knob)} accepted, other values refused "
+            "(the message and docs/config.md say why)." if knob.unsupported else "")
     doc = knob.doc.replace("%", "%%")
     return f"{doc}{note} [default: {default}; env {knob.env}]"
 
@@ -178,7 +198,7 @@ def _add_knob_flags(groups: dict[str, argparse._ArgumentGroup]) -> None:
         group = groups[_KNOB_GROUP.get(knob.name, "tunables")]
         dest = f"knob_{knob.name}"
         if knob.type is bool:
-            group.add_argument(knob.cli, dest=dest, action=argparse.BooleanOptionalAction,
+            group.add_argument(knob.cli, dest=dest, action=_KnobSwitch, knob=knob,
                                default=None, help=_knob_help(knob))
         else:
             group.add_argument(knob.cli, dest=dest, default=None, metavar=_knob_metavar(knob),
@@ -204,7 +224,7 @@ def build_run_parser() -> argparse.ArgumentParser:
                    help="number of ranks to start (required)")
     g.add_argument("-cb", "--check-build", action="store_true",
                    help="show the frameworks, controllers and tensor operations available "
-                        "(as horovodrun -cb), then exit")
+                        "(horovodrun -cb's checklist), then hora check's report, and exit")
     g.add_argument("--disable-cache", action="store_true",
                    help="accepted for compatibility: hora run caches nothing, the ssh checks "
                         "of remote hosts run for every job")

@@ -80,7 +80,7 @@ _RESPONSE_TYPES: dict[str, Any] = {
     "prescale": _num, "postscale": _num, "shapes": lambda v: _nested(v, 2, _is_int),
     "first_dims": lambda v: _nested(v, 2, _is_int), "splits": lambda v: _nested(v, 3, _is_int),
     "joined": lambda v: _nested(v, 1, _is_int), "error": _str, "value": _is_int,
-    "ranks": lambda v: v is None or _nested(v, 1, _is_int),
+    "ranks": lambda v: v is None or _nested(v, 1, _is_int), "group": _str,
 }
 
 
