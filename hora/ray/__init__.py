@@ -15,7 +15,7 @@ workers are Ray actors; the function they run calls ``hora.init()`` / ``hvd.init
     ray.init()
     executor = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=2)
     executor.start()
-    print(executor.run(train, args=[0.01]))   # [0, 1]: one result per rank, in rank order
+    results = executor.run(train, args=[0.01])   # [0, 1]: one result per rank, in rank order
     executor.shutdown()
 
 See docs/ray.md.

@@ -178,20 +178,22 @@ def _environ() -> dict[str, str]:
     return dict(os.environ)
 
 
-def _read_records(client: KVStoreClient, np: int) -> dict[int, dict[str, Any]]:
-    records: dict[int, dict[str, Any]] = {}
-    present = set(range(np)) - {int(k.split(".")[1]) for k in client.missing(
-        _proto.SCOPE, [_proto.record_key(r) for r in range(np)])}
-    for rank in sorted(present):
-        records[rank] = _proto.get_header(client, _proto.record_key(rank), 0.0)
-    return records
+def read_records(client: KVStoreClient, np: int) -> dict[int, dict[str, Any]]:
+    """The ``run_func`` record headers present for ranks ``0..np-1``, by rank (also read by
+    :mod:`hora.spark`)."""
+    keys = [_proto.record_key(r) for r in range(np)]
+    absent = set(client.missing(_proto.SCOPE, keys))
+    return {r: _proto.get_header(client, key, 0.0) for r, key in enumerate(keys)
+            if key not in absent}
 
 
 # ---- outcome --------------------------------------------------------------------------------
 
-def _raise_error(client: KVStoreClient, record: dict[str, Any], np: int) -> None:
+def raise_stored_error(client: KVStoreClient, record: dict[str, Any], np: int,
+                       who: str = "hora.run", where: str = "in the ranks") -> None:
     """Re-raise the exception a rank stored: the same type when it unpickles, else
-    :class:`RankFailedError`; the rank's traceback as ``__cause__``."""
+    :class:`RankFailedError`; the rank's traceback as ``__cause__``. ``who`` names the call
+    (``hora.run``, ``hora.spark.run``), ``where`` where the ranks run (for the import hint)."""
     rank = int(record["rank"])
     cause = RemoteTraceback(rank, str(record.get("traceback", "")))
     exc: BaseException | None = None
@@ -208,13 +210,13 @@ def _raise_error(client: KVStoreClient, record: dict[str, Any], np: int) -> None
                 why = f"the rank stored a {type(loaded).__name__}"
     if exc is None:
         exc = RankFailedError(
-            f"hora.run: rank {rank} of {np} raised {record.get('type')}: "
+            f"{who}: rank {rank} of {np} raised {record.get('type')}: "
             f"{record.get('message')} (the exception could not be re-created here: {why})",
             rank=rank, exit_status=1)
-    note = f"(raised in rank {rank} of {np} of hora.run; its traceback is above)"
+    note = f"(raised in rank {rank} of {np} of {who}; its traceback is above)"
     if record.get("phase") == "load":
         note += (f"\nHINT: rank {rank} could not unpickle func/args/kwargs. A function of an "
-                 "importable module is sent by reference: that module must import in the ranks "
+                 f"importable module is sent by reference: that module must import {where} "
                  "too (same cwd / PYTHONPATH / install), or register it with "
                  "cloudpickle.register_pickle_by_value(module) to send it by value.")
     add_note = getattr(exc, "add_note", None)
@@ -227,7 +229,7 @@ def _raise_error(client: KVStoreClient, record: dict[str, Any], np: int) -> None
 
 def _outcome(client: KVStoreClient, np: int, status: int,
              console: _WatchingConsole, recovered: bool = False) -> list[Any]:
-    records = _read_records(client, np)
+    records = read_records(client, np)
     failures = {} if recovered else {
         r: rec for r, rec in records.items() if rec.get("kind") in ("error", "exit")}
     # The root cause: a rank that the launcher saw fail first without storing a record died
@@ -243,7 +245,7 @@ def _outcome(client: KVStoreClient, np: int, status: int,
     if failures:
         earliest = min(failures.values(), key=lambda rec: int(rec.get("seq", 0)))
         if earliest.get("kind") == "error":
-            _raise_error(client, earliest, np)
+            raise_stored_error(client, earliest, np)
         _raise_exit(earliest, np)
     if status != 0:
         if console.signum == signal.SIGINT:
@@ -386,4 +388,5 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (),
         return _outcome(client, options.min_np, status, console, recovered=status == 0)
 
 
-__all__ = ["RANK_MODULE", "RankFailedError", "RemoteTraceback", "run"]
+__all__ = ["RANK_MODULE", "RankFailedError", "RemoteTraceback", "raise_stored_error",
+           "read_records", "run"]

@@ -16,7 +16,7 @@ from typing import IO, Any
 from hora.errors import HoraError, RankFailedError, RendezvousTimeoutError
 from hora.rendezvous.store_client import KVStoreClient
 from hora.runner import run_func as proto
-from hora.runner.api import RemoteTraceback
+from hora.runner.api import raise_stored_error, read_records
 from hora.runner.failures import WorkerFailure
 from hora.spark.task import OUT_COUNTER, SCOPE, exit_key, out_key
 
@@ -27,14 +27,6 @@ class SparkJobError(HoraError, RuntimeError):
     """The Spark job failed without any rank reporting why: a task could not import hora or
     reach the driver, an executor was lost, Spark refused the barrier stage. The message
     quotes Spark's reason; ``__cause__`` is Spark's own exception."""
-
-
-def read_records(client: KVStoreClient, np: int) -> dict[int, dict[str, Any]]:
-    """The ``run_func`` record headers present, by rank."""
-    keys = [proto.record_key(r) for r in range(np)]
-    absent = set(client.missing(proto.SCOPE, keys))
-    return {r: proto.get_header(client, key, 0.0) for r, key in enumerate(keys)
-            if key not in absent}
 
 
 def read_exits(client: KVStoreClient, np: int) -> dict[int, dict[str, Any]]:
@@ -50,41 +42,6 @@ def _failure(report: dict[str, Any]) -> WorkerFailure:
                          hostname=str(report["host"]), returncode=int(report["returncode"]),
                          stderr_tail=tuple(report.get("tail", ())),
                          start_error=str(report.get("start_error", "")))
-
-
-def _raise_error(client: KVStoreClient, record: dict[str, Any], np: int) -> None:
-    """Re-raise the exception a rank stored: its own type when it unpickles here, else
-    :class:`RankFailedError`; the rank's traceback as ``__cause__``."""
-    rank = int(record["rank"])
-    cause = RemoteTraceback(rank, str(record.get("traceback", "")))
-    exc: BaseException | None = None
-    why = record.get("unpicklable")
-    if not why:
-        try:
-            loaded = proto.loads(proto.get_blob(client, proto.record_key(rank), record))
-        except Exception as err:  # noqa: BLE001 (e.g. its class does not import here)
-            why = f"{type(err).__name__}: {err}"
-        else:
-            if isinstance(loaded, BaseException):
-                exc = loaded
-            else:
-                why = f"the rank stored a {type(loaded).__name__}"
-    if exc is None:
-        exc = RankFailedError(
-            f"{WHO}: rank {rank} of {np} raised {record.get('type')}: {record.get('message')} "
-            f"(the exception could not be re-created here: {why})", rank=rank, exit_status=1)
-    note = f"(raised in rank {rank} of {np} of {WHO}; its traceback is above)"
-    if record.get("phase") == "load":
-        note += (f"\nHINT: rank {rank} could not unpickle fn/args/kwargs. A function of an "
-                 "importable module is sent by reference: that module must import on the "
-                 "executors too, or register it with cloudpickle.register_pickle_by_value(module)"
-                 " to send it by value.")
-    add_note = getattr(exc, "add_note", None)
-    if add_note is not None:
-        add_note(note)
-    else:  # Python 3.10: no notes
-        cause.text += "\n" + note
-    raise exc from cause
 
 
 def _raise_first_failure(client: KVStoreClient, np: int) -> None:
@@ -106,7 +63,7 @@ def _raise_first_failure(client: KVStoreClient, np: int) -> None:
     if failed:
         earliest = min(failed.values(), key=lambda rec: int(rec.get("seq", 0)))
         if earliest.get("kind") == "error":
-            _raise_error(client, earliest, np)
+            raise_stored_error(client, earliest, np, WHO, "on the executors")
         rank, code = int(earliest["rank"]), int(earliest.get("code", 0))
         raise RankFailedError(f"{WHO}: rank {rank} of {np} called sys.exit({code}) in fn "
                               f"instead of returning (exit status {code})", rank=rank,
@@ -205,5 +162,5 @@ class OutputReader(threading.Thread):
             return  # the store closed, or the stream did
 
 
-__all__ = ["OutputReader", "SparkJobError", "read_exits", "read_records", "results_or_raise",
+__all__ = ["OutputReader", "SparkJobError", "read_exits", "results_or_raise",
            "spark_reason"]
