@@ -112,5 +112,34 @@ class FP16Compressor(Compressor):
     def decompress(cls, tensor: Any, ctx: Any) -> Any:
         return fp16_decompress(tensor, ctx, cls.hook)
 
+
+
+def adapter_classes(compressor: type[Compressor]) -> tuple[Any, Any, Any]:
+    """Horovod's ``NoneCompressor``, ``FP16Compressor`` and ``Compression`` for one adapter,
+    from its ``Compressor`` (a subclass of :class:`Compressor` that sets ``hook``); made in
+    the adapter's module, so they print, pickle and document as that module's classes::
+
+        class Compressor(core.Compressor):
+            hook = TORCH_DTYPES
+        NoneCompressor, FP16Compressor, Compression = core.adapter_classes(Compressor)
+    """
+    module = compressor.__module__
+
+    def make(name: str, bases: tuple[type, ...], namespace: dict[str, Any]) -> type:
+        return type(name, bases, {"__module__": module, "__qualname__": name, **namespace})
+
+    none = make("NoneCompressor", (NoneCompressor, compressor),
+                {"__doc__": NoneCompressor.__doc__})
+    fp16 = make("FP16Compressor", (FP16Compressor, compressor),
+                {"__doc__": FP16Compressor.__doc__})
+    compression = make("Compression", (), {
+        "__doc__": "Optional gradient compression (Horovod's): ``Compression.none`` (the "
+                   "default) or ``Compression.fp16`` (floating-point tensors travel as "
+                   "float16).",
+        "none": none, "fp16": fp16})
+    return none, fp16, compression
+
+
 __all__ = ["Compressor", "DtypeHook", "FLOATING", "FP16Compressor", "NUMPY", "NoneCompressor",
-           "fp16_compress", "fp16_decompress", "none_compress", "none_decompress"]
+           "adapter_classes", "fp16_compress", "fp16_decompress", "none_compress",
+           "none_decompress"]

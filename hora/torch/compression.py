@@ -32,22 +32,6 @@ class Compressor(_core.Compressor):
     hook = _HOOK
 
 
-class NoneCompressor(_core.NoneCompressor, Compressor):
-    """Default: no compression."""
-
-
-class FP16Compressor(_core.FP16Compressor, Compressor):
-    """Floating-point tensors travel as float16 and are cast back afterwards."""
-
-
-class Compression:
-    """Optional gradient compression used by allreduce, reducescatter and the optimizer."""
-
-    none = NoneCompressor
-    """No compression (the default)."""
-
-    fp16 = FP16Compressor
-    """Compress all floating point gradients to 16-bit."""
-
+NoneCompressor, FP16Compressor, Compression = _core.adapter_classes(Compressor)
 
 __all__ = ["Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
