@@ -16,7 +16,6 @@ import ast
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import textwrap
@@ -26,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from runner.helpers import clean_env, run_hora
 
 from hora.config import KNOBS, KNOBS_BY_NAME, Config, Knob, check_supported, load, parse_value
 from hora.errors import ConfigError
@@ -232,23 +232,10 @@ def test_every_knob_not_refused_is_read_by_the_code() -> None:
 
 def _hora_run(np_: int, script: str, env: dict[str, str], timeout: float = 90
               ) -> tuple[int, str, str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
-    cmd = [sys.executable, "-m", "hora.runner.cli", "run", "-np", str(np_), sys.executable,
-           "-c", textwrap.dedent(script)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**base, **env}, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"job did not finish in {timeout} s\n{out}\n{err}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return proc.returncode, out, err
+    """``hora run -np N python -c script`` under a hard timeout (tests/runner/helpers)."""
+    done = run_hora("run", "-np", str(np_), sys.executable, "-c", textwrap.dedent(script),
+                    env=clean_env(**env), timeout=timeout)
+    return done.rc, done.out, done.err
 
 
 def _payloads(out: str, prefix: str) -> list[str]:
