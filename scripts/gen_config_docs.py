@@ -8,7 +8,7 @@ from hora.config import KNOBS, Knob, accepted_text
 
 HEADER = """# Configuration knobs
 
-Generated from `hora/config.py` by `python scripts/gen_config_docs.py`; do not edit by hand.
+Generated from `hora/knobs.py` by `python scripts/gen_config_docs.py`; do not edit by hand.
 
 Every knob is read from its `HORA_*` variable first, then from Horovod's `HOROVOD_*` alias.
 `hora run` flags set the `HORA_*` variable for every rank. An unknown `HORA_*` variable or a

@@ -7,11 +7,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "hora"
 
-BASE = {"hora.errors", "hora.config", "hora._util"}
+BASE = {"hora.errors", "hora.config", "hora.knobs", "hora._util"}
 ALLOWED: dict[str, set[str]] = {
     "hora._util": BASE,
     "hora.errors": set(),
-    "hora.config": {"hora.errors"},
+    "hora.config": {"hora.errors", "hora.knobs"},
+    "hora.knobs": set(),
     "hora.collectives": BASE | {"hora.collectives"},
     "hora.rendezvous": BASE | {"hora.rendezvous"},
     "hora.timeline": BASE | {"hora.timeline"},

@@ -1,0 +1,231 @@
+"""The knob table itself: every tunable of hora with its env vars, CLI flag, default and doc.
+
+Bottom layer, imports nothing of hora. :mod:`hora.config` parses the environment against this
+table into a :class:`~hora.config.Config`; ``hora run`` builds its flags from it and
+``scripts/gen_config_docs.py`` renders it as ``docs/config.md``. A new knob is one row here and
+one field of :class:`~hora.config.Config`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One row of the knob table.
+
+    Attributes:
+        name: field of :class:`Config`.
+        type: ``int``, ``float``, ``bool`` or ``str``.
+        default: value when neither env var is set.
+        env: hora's variable (``HORA_*``).
+        alias: Horovod's variable (``HOROVOD_*``), or None if hora-only.
+        cli: ``hora run`` flag, or None. Bool knobs also get ``--no-<flag>``.
+        doc: one line for ``--help`` and the docs.
+        cli_scale: the CLI value is multiplied by this to get the env value (MB -> bytes).
+        choices: allowed values for ``str`` knobs (lower-case), or None.
+        minimum: smallest allowed value for numbers.
+        maximum: largest allowed value for numbers, or None.
+        hora_only: True for knobs Horovod does not have.
+        unsupported: for a Horovod knob whose effect hora does not have: why, and what to use
+            instead; any value but ``default`` is refused (:func:`check_supported`).
+        check: extra validation of a parsed value: returns what is wrong, or "".
+    """
+
+    name: str
+    type: type
+    default: Any
+    env: str
+    alias: str | None
+    cli: str | None
+    doc: str
+    cli_scale: int = 1
+    choices: tuple[str, ...] | None = None
+    minimum: float | None = 0
+    maximum: float | None = None
+    hora_only: bool = False
+    unsupported: str = ""
+    check: Callable[[Any], str] | None = None
+
+
+def _k(name: str, typ: type, default: Any, cli: str | None, doc: str, *, alias: bool = True,
+       **kw: Any) -> Knob:
+    upper = name.upper()
+    return Knob(name=name, type=typ, default=default, env=f"HORA_{upper}",
+                alias=f"HOROVOD_{upper}" if alias else None, cli=cli, doc=doc,
+                hora_only=not alias, **kw)
+
+
+# Why hora refuses a Horovod knob's "on" values, and what to use instead (Knob.unsupported).
+_NO_TORUS = (
+    "hora does not support the torus allreduce: Horovod's is a 2-D allreduce of GPU tensors "
+    "over NCCL, and hora has no NCCL (its collectives run on the CPU: shared memory within a "
+    "host, TCP across hosts). hora's two-level allreduce is hierarchical allreduce (within each "
+    "host, then across hosts): HOROVOD_HIERARCHICAL_ALLREDUCE=1 or hora run "
+    "--hierarchical-allreduce (automatic when a process set spans hosts with several ranks on "
+    "a host).")
+_TUNE_BY_HAND = (
+    "Tune by hand: time a few steps (benchmarks/train_step.py, or your own) with a few values "
+    "of the fusion threshold (HOROVOD_FUSION_THRESHOLD in bytes, --fusion-threshold-mb) and the "
+    "cycle time (HOROVOD_CYCLE_TIME, --cycle-time-ms), e.g. `HOROVOD_FUSION_THRESHOLD=33554432 "
+    "HOROVOD_CYCLE_TIME=1 python benchmarks/train_step.py`; keep the fastest (defaults: 128 MB, "
+    "0 ms).")
+_NO_AUTOTUNE = ("hora does not support autotune yet: the autotuner (Bayesian optimisation of "
+                "the fusion threshold and cycle time from measured throughput) is not built. "
+                + _TUNE_BY_HAND)
+_NO_AUTOTUNE_PART = ("hora does not support autotune yet (the autotuner is not built), and this "
+                     "setting only matters with autotune (HOROVOD_AUTOTUNE=1, hora run "
+                     "--autotune), so only its default is accepted. " + _TUNE_BY_HAND)
+_NO_NCCL_STREAMS = (
+    "hora does not support NCCL streams: it has no NCCL (its collectives run on the CPU; CUDA "
+    "tensors are copied to host memory for them). Where GPU bandwidth matters, use NCCL "
+    "through torch.distributed.")
+_NO_MPI_CONTROLLER = (
+    "hora does not support the MPI controller: its own engine negotiates over TCP with rank 0 "
+    "as the coordinator, the part Horovod's gloo controller plays (hora run sets "
+    "HOROVOD_CONTROLLER=gloo, as horovodrun does). Ranks started by mpirun need no MPI "
+    "controller: init() reads Open MPI's environment.")
+_NO_CPU_OPERATIONS = (
+    "hora does not support MPI or oneCCL CPU operations: its own CPU collectives (ring and "
+    "recursive doubling over TCP, shared memory within a host) play the part of Horovod's gloo "
+    "operations (hora run sets HOROVOD_CPU_OPERATIONS=gloo, as horovodrun does). Pick the "
+    "allreduce algorithm with HORA_ALLREDUCE_ALGORITHM (--allreduce-algorithm).")
+
+
+def _core_list_problem(text: Any) -> str:
+    """What is wrong with a ``thread_affinity`` value ("" when it is fine or empty)."""
+    bad = [i.strip() for i in str(text).split(",") if not i.strip().isdigit()]
+    return (f"expected a comma list of CPU core numbers, one per local rank (e.g. '0,1'), and "
+            f"{bad[0]!r} is not a core number") if bad and str(text).strip() else ""
+
+
+KNOBS: tuple[Knob, ...] = (
+    # --- engine ---
+    _k("fusion_threshold", int, 128 * MiB, "--fusion-threshold-mb",
+       "Fusion buffer size in bytes (CLI in MB); small tensors are packed together up to it. "
+       "0 disables fusion.", cli_scale=MiB),
+    _k("cycle_time", float, 0.0, "--cycle-time-ms",
+       "Milliseconds the coordinator waits after a tensor becomes ready so that more can be fused "
+       "with it. hora's engine is event-driven, so 0 (the default) means 'respond at once'; "
+       "Horovod polls every 1 ms."),
+    _k("cache_capacity", int, 1024, "--cache-capacity",
+       "Response cache entries per process set: allreduces negotiated once run again without "
+       "rank 0's round trip (the shared-memory fast lane, ranks on one host). 0 negotiates "
+       "every op."),
+    _k("hierarchical_allreduce", bool, None, "--hierarchical-allreduce",
+       "Reduce within each host (shared memory), then across hosts (TCP). Unset: automatic, "
+       "on when a process set spans hosts with several ranks on a host; 1/0 force it."),
+    _k("shm", bool, True, "--shm",
+       "hora-only: ranks on one host exchange tensors through shared memory (/dev/shm) "
+       "instead of TCP.", alias=False),
+    _k("hierarchical_allgather", bool, False, "--hierarchical-allgather",
+       "Allgather in three steps when a process set spans hosts with several ranks on a host: "
+       "gather within each host (shared memory), exchange across hosts among one leader per "
+       "host (TCP), broadcast within each host. Off by default, as in Horovod."),
+    _k("dynamic_process_sets", bool, False, None,
+       "Allow add_process_set / remove_process_set after init."),
+    _k("disable_group_fusion", bool, False, None,
+       "Fuse an allreduce only with the other members of its grouped_allreduce call. As in "
+       "Horovod, where every op then forms a group of its own, a plain allreduce (each "
+       "gradient of a DistributedOptimizer without groups) is then not fused at all."),
+    _k("allreduce_algorithm", str, "auto", "--allreduce-algorithm",
+       "hora-only: 'auto' (ring, or recursive doubling for small tensors), 'ring', 'small' "
+       "(recursive doubling), or 'star' (parameter-server style: everyone sends to rank 0).",
+       alias=False, choices=("auto", "ring", "small", "star")),
+    _k("small_allreduce_bytes", int, 64 * 1024, None,
+       "hora-only: allreduces up to this many bytes use the latency-optimal algorithm "
+       "(recursive doubling) when the algorithm is 'auto'.", alias=False),
+    # --- timeouts and faults ---
+    _k("timeout_seconds", float, 30.0, "--timeout-seconds",
+       "hora-only: deadline for connect, rendezvous and for a peer to make progress inside a "
+       "collective (alias HOROVOD_GLOO_TIMEOUT_SECONDS).", alias=False),
+    _k("gloo_timeout_seconds", float, 30.0, "--gloo-timeout-seconds",
+       "Horovod's name for the connect/op deadline; used when HORA_TIMEOUT_SECONDS is unset."),
+    _k("stall_check_disable", bool, False, None,
+       "Turn off the stall inspector (CLI: --no-stall-check)."),
+    _k("stall_check_time_seconds", float, 60.0, "--stall-check-warning-time-seconds",
+       "Warn, naming the missing ranks, when a tensor waits this long for some ranks."),
+    _k("stall_shutdown_time_seconds", float, 600.0, "--stall-check-shutdown-time-seconds",
+       "Fail a stalled op on every rank after this many seconds (0 = never, Horovod's default; "
+       "hora's is 600: see docs/faults.md)."),
+    _k("deadlock_time_seconds", float, 1.0, "--deadlock-time-seconds",
+       "hora-only: when every rank has been blocked in a wait (synchronize, barrier, join, a "
+       "sync op) for this long and none of their ops can complete, fail those ops on every "
+       "rank with a message naming each rank's op. 0 disables (the stall check remains).",
+       alias=False),
+    _k("heartbeat_timeout_seconds", float, 30.0, "--heartbeat-timeout-seconds",
+       "hora-only: a rank that sends nothing (not even its heartbeat, every quarter of this) "
+       "for this long is declared lost: hung, stopped or unreachable. 0 disables.",
+       alias=False),
+    _k("start_timeout", float, 30.0, "--start-timeout",
+       "Seconds start-up may go without progress: it fails, naming the missing ranks, when no "
+       "new rank reached init() for this long (a slow but steady start of many ranks "
+       "succeeds)."),
+    _k("start_timeout_cap", float, 600.0, "--start-timeout-cap",
+       "hora-only: seconds allowed for the whole start-up however steady (at least "
+       "start_timeout).", alias=False),
+    # --- observability ---
+    _k("timeline", str, "", "--timeline-filename",
+       "Write a Chrome-trace timeline to this file ('DYNAMIC': enabled, not started); "
+       "`hora timeline FILE` summarises it."),
+    _k("timeline_mark_cycles", bool, False, "--timeline-mark-cycles",
+       "Mark engine cycles in the timeline."),
+    _k("log_level", str, "warning", "--log-level",
+       "Logging level of the library.",
+       choices=("trace", "debug", "info", "warning", "error", "fatal")),
+    _k("log_hide_time", bool, False, "--log-without-timestamp",
+       "Omit timestamps from log lines."),
+    # --- network ---
+    _k("gloo_iface", str, "", "--network-interface",
+       "Network interface whose address the ranks use (default: loopback on one host)."),
+    _k("hostname", str, "", None,
+       "Host identity of this rank (set by the launcher; overrides the real host name)."),
+    _k("elastic_timeout", float, 600.0, "--elastic-timeout",
+       "Elastic mode: seconds the driver waits for at least --min-np workers (at start and after "
+       "a failure) before it ends the job with a message; also how long a worker that does not "
+       "rejoin after a reset is waited for."),
+    _k("elastic", bool, False, None,
+       "Set by an elastic launcher for its ranks: DistributedOptimizer registers its hooks even "
+       "while the job has one rank (it may grow)."),
+    _k("thread_affinity", str, "", "--thread-affinity",
+       "Comma list of CPU cores, one per local rank (Linux): local rank i pins hora's "
+       "background threads (the engine thread and the fast-lane threads it starts) to core i "
+       "of the list, as Horovod pins its background thread. Unset: no pinning.",
+       check=_core_list_problem),
+    _k("mpi_threads_disable", bool, False, "--mpi-threads-disable",
+       "Horovod: ask MPI for MPI_THREAD_SINGLE. hora never initialises MPI, so neither thread "
+       "level is requested, as in Horovod's gloo mode: 0 and 1 are both accepted."),
+    # --- Horovod knobs whose effect hora does not have: any value but the default is refused
+    _k("torus_allreduce", bool, False, "--torus-allreduce",
+       "Horovod's 2-D torus allreduce of GPU tensors over NCCL.", unsupported=_NO_TORUS),
+    _k("autotune", bool, False, "--autotune",
+       "Horovod's autotuner of the fusion threshold and cycle time.", unsupported=_NO_AUTOTUNE),
+    _k("autotune_log", str, "", "--autotune-log-file", "Autotune: CSV log file.",
+       unsupported=_NO_AUTOTUNE_PART),
+    _k("autotune_warmup_samples", int, 3, "--autotune-warmup-samples",
+       "Autotune: samples discarded at the start.", unsupported=_NO_AUTOTUNE_PART),
+    _k("autotune_steps_per_sample", int, 10, "--autotune-steps-per-sample",
+       "Autotune: steps per sample.", unsupported=_NO_AUTOTUNE_PART),
+    _k("autotune_bayes_opt_max_samples", int, 20, "--autotune-bayes-opt-max-samples",
+       "Autotune: Bayesian optimisation samples.", unsupported=_NO_AUTOTUNE_PART),
+    _k("autotune_gaussian_process_noise", float, 0.8, "--autotune-gaussian-process-noise",
+       "Autotune: Gaussian process noise, in [0, 1].", maximum=1.0,
+       unsupported=_NO_AUTOTUNE_PART),
+    _k("num_nccl_streams", int, 1, "--num-nccl-streams", "Horovod: NCCL streams per GPU.",
+       unsupported=_NO_NCCL_STREAMS),
+    _k("controller", str, "gloo", None,
+       "Horovod's controller; hora run sets 'gloo' for every rank, as horovodrun does.",
+       choices=("gloo", "mpi"), unsupported=_NO_MPI_CONTROLLER),
+    _k("cpu_operations", str, "gloo", None,
+       "Horovod's library of CPU collectives; hora run sets 'gloo' for every rank, as "
+       "horovodrun does.", choices=("gloo", "mpi", "ccl"), unsupported=_NO_CPU_OPERATIONS),
+)
+
+KNOBS_BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
+
+__all__ = ["KNOBS", "KNOBS_BY_NAME", "MiB", "Knob"]
