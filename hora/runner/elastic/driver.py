@@ -1,9 +1,11 @@
 """The elastic driver: ``hora run`` with ``--min-np`` or ``--host-discovery-script``.
 
 Runner layer. The driver serves the job's rendezvous store, polls host discovery every second,
-starts one worker process per usable slot (up to ``--max-np``; locally or over ssh, as fixed-size
-jobs), and forms *generations*: the set of workers that train together, their ranks and size
-(protocol: :mod:`hora.rendezvous.elastic`; bookkeeping: :mod:`hora.runner.elastic.members`).
+starts one worker per usable slot (up to ``--max-np``; a process, locally or over ssh, as
+fixed-size jobs, or whatever its :class:`~hora.runner.elastic.spawner.Spawner` starts: Ray
+actors for ``hora.ray.ElasticRayExecutor``), and forms *generations*: the set of workers that
+train together, their ranks and size (protocol: :mod:`hora.rendezvous.elastic`; bookkeeping:
+:mod:`hora.runner.elastic.members`).
 
 * **A worker fails** (exits non-zero): its host's failure is counted (:mod:`.health`: a host
   is blacklisted on its second failure, so one crash on a healthy machine does not take the
@@ -23,11 +25,9 @@ jobs), and forms *generations*: the set of workers that train together, their ra
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import queue
 import secrets
-import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -36,28 +36,49 @@ from hora.errors import DiscoveryError, RendezvousTimeoutError
 from hora.rendezvous import elastic as proto
 from hora.rendezvous.kvstore import KVStoreServer
 from hora.rendezvous.store_client import KVStoreClient
-from hora.rendezvous.topology import Slot
 from hora.runner import launch as launch_mod
-from hora.runner import processes, ssh
 from hora.runner.elastic.discovery import DiscoveryPoller, describe
 from hora.runner.elastic.health import HostHealth
 from hora.runner.elastic.members import Member, form_generation, summary
 from hora.runner.elastic.options import DEFAULT_ELASTIC_TIMEOUT_S, ElasticOptions
+from hora.runner.elastic.spawner import ProcessSpawner, Spawner, SpawnError
 from hora.runner.failures import exit_status, signal_name
-from hora.runner.hosts import is_local_host
-from hora.runner.local import _stop_signals, remove_shm_segments
+from hora.runner.local import _stop_signals
 from hora.runner.output import CONSOLE, Console
 
 _TICK_S = 0.05
 _STOP_GRACE_S = 10.0  # how long told-to-stop workers get before they are stopped
 
+CLI_NAMES: Mapping[str, str] = {
+    "np": "-np", "min_np": "--min-np", "elastic_timeout": "--elastic-timeout",
+    "reset_limit": "--reset-limit", "cooldown_range": "--blacklist-cooldown-range"}
+"""The names the driver's messages give the settings (``hora run``'s flags by default; an API
+with other names passes its own, e.g. ``hora.ray``'s ``min_num_proc``)."""
+
 
 class ElasticDriver:
-    """Runs one elastic job; :meth:`run` returns the launcher's exit status."""
+    """Runs one elastic job; :meth:`run` returns the launcher's exit status.
+
+    Args:
+        spec: the job (``spec.np`` workers must be ready to form the first generation).
+        options: what makes it elastic.
+        environ: the environment the workers inherit (filtered as ``hora run`` filters it).
+        console: where messages go.
+        spawner: what starts the workers (default: processes, local or over ssh).
+        names: the settings' names in messages (default :data:`CLI_NAMES`).
+
+    After :meth:`run`, ``failure`` holds the reason the job could not go on (None when it
+    finished, was interrupted, or a worker failed after training finished).
+    """
 
     def __init__(self, spec: launch_mod.LaunchSpec, options: ElasticOptions, *,
-                 environ: Mapping[str, str], console: Console = CONSOLE) -> None:
+                 environ: Mapping[str, str], console: Console = CONSOLE,
+                 spawner: Spawner | None = None, names: Mapping[str, str] = CLI_NAMES) -> None:
         self.spec, self.options, self.console = spec, options, console
+        self.spawner: Spawner = spawner if spawner is not None else ProcessSpawner(
+            spec, options.max_np or spec.np, console)
+        self.names = names
+        self.failure: str | None = None
         self.health = HostHealth(options.cooldown_range)
         self.members: dict[int, Member] = {}
         self.generation = 0
@@ -92,17 +113,17 @@ class ElasticDriver:
         try:
             first = self.options.discovery.find_available_hosts_and_slots()
         except DiscoveryError as exc:  # the first poll must work (Horovod's rule)
-            self.console.say(f"elastic: host discovery failed at start: {exc}")
+            self.failure = f"host discovery failed at start: {exc}"
+            self.console.say(f"elastic: {self.failure}")
             return 1
-        remote_hosts = tuple(h for h in first if not is_local_host(h))
-        self._remote = launch_mod.Remote(
-            hosts=remote_hosts,
-            options=ssh.SshOptions(spec.ssh_port, spec.ssh_identity_file,
-                                   connect_timeout=min(10.0, config.start_timeout)),
-            python=sys.executable, grace=max(0.5, processes.GRACE_PERIOD_S - 1.0))
-        where = launch_mod.store_address(self._remote, config)
+        job_id = secrets.token_hex(8)
+        address = self.spawner.open(first, config, self._exits, job_id)
         secret = secrets.token_hex(32)
-        self._server = KVStoreServer(bytes.fromhex(secret), where.address, 0).start()
+        try:
+            self._server = KVStoreServer(bytes.fromhex(secret), address, 0).start()
+        except BaseException:
+            self.spawner.close([])
+            raise
         self._discovery = DiscoveryPoller(self.options.discovery, first)
         try:
             self._client = KVStoreClient(self._server.host, self._server.port,
@@ -111,23 +132,17 @@ class ElasticDriver:
                          "HORA_RENDEZVOUS_PORT": str(self._server.port),
                          "HOROVOD_GLOO_RENDEZVOUS_ADDR": self._server.host,
                          "HOROVOD_GLOO_RENDEZVOUS_PORT": str(self._server.port),
-                         "HORA_JOB_ID": secrets.token_hex(8), launch_mod.SECRET_VAR: secret}
+                         "HORA_JOB_ID": job_id, launch_mod.SECRET_VAR: secret}
             self._say(f"elastic job: min {self.options.min_np}, max "
                       f"{self.options.max_np or 'unbounded'} workers, start with "
                       f"{spec.np}; hosts: {describe(first)}", verbose_only=True)
             self._discovery.start()
-            with ssh.StartGate(timeout=self._remote.options.connect_timeout + 5.0) as gate:
-                self._gate = gate
-                return self._loop()
+            return self._loop()
         finally:
             self._discovery.stop()
-            workers = [m.process for m in self.members.values() if m.process is not None]
-            processes.stop_workers(workers, self.console, quiet=True)
-            for worker in workers:
-                for relay in worker.relays:
-                    relay.join(2.0)
+            self.spawner.close([m.process for m in self.members.values()
+                                if m.process is not None])
             self._server.close()
-            remove_shm_segments(self._env.get("HORA_JOB_ID") if hasattr(self, "_env") else None)
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -200,21 +215,13 @@ class ElasticDriver:
         self._next_wid += 1
         env = {**self._env, proto.WORKER_ID_VAR: str(wid), "HORA_HOSTNAME": host,
                "HOROVOD_HOSTNAME": host}
-        slot = Slot(rank=wid, size=0, hostname=host, local_rank=0, local_size=0, cross_rank=0,
-                    cross_size=0)
-        if not is_local_host(host) and host not in self._remote.hosts:
-            self._remote = dataclasses.replace(self._remote, hosts=(*self._remote.hosts, host))
-        launch = launch_mod.rank_launch(slot, env, self.spec, self._remote, self._gate)
         member = Member(wid=wid, host=host, started=time.monotonic())
         self.members[wid] = member
         try:
-            member.process = processes.spawn(
-                self.spec.command, launch, wid, size=self.options.max_np or self.spec.np,
-                exits=self._exits, console=self.console, output_dir=self.spec.output_filename,
-                prefix_timestamp=self.spec.prefix_timestamp)
-        except processes.StartError as exc:
+            member.process = self.spawner.start(wid, host, env)
+        except SpawnError as exc:
             self.console.say(exc.message)
-            self._exits.put((wid, exc.failure.returncode))
+            self._exits.put((wid, exc.status))
             return
         joins = "starting" if self.generation == 0 else "starting a newcomer:"
         self._say(f"{joins} worker {wid} on {host}", verbose_only=self.generation == 0)
@@ -239,13 +246,11 @@ class ElasticDriver:
                 continue
             if self._reset_since is None and m.current is not None:
                 self._reset_since = time.monotonic()
-            how = (f"was killed by {signal_name(-code)}" if code < 0 else
-                   f"exited with code {code} ({signal_name(code - 128)})" if code > 128 else
-                   f"exited with code {code}")
+            how = self.spawner.describe_exit(wid, code)
             blacklisted = self.health.record_failure(m.host)
             self._say(f"{m.describe()} {how}"
                       + (f"; {m.host} is blacklisted after repeated failures"
-                         + (" (--blacklist-cooldown-range lets it return)"
+                         + (f" ({self.names['cooldown_range']} lets it return)"
                             if self.options.cooldown_range is None else " until its cooldown ends")
                          if blacklisted else ""))
             if blacklisted:
@@ -277,9 +282,7 @@ class ElasticDriver:
             m.leaving = answer.reason
             m.current = None
             if m.process is not None and m.alive:
-                worker = m.process
-                timer = threading.Timer(_STOP_GRACE_S, lambda: processes.stop_workers(
-                    [worker], self.console, quiet=True))
+                timer = threading.Timer(_STOP_GRACE_S, self.spawner.stop, args=(m.process,))
                 timer.daemon = True  # the launcher's exit stops every worker anyway
                 timer.start()
 
@@ -297,7 +300,8 @@ class ElasticDriver:
                 return self._form(newcomers, [])
             if time.monotonic() - started > self.timeout:
                 return self._fail(f"only {len(newcomers)} of the {self.spec.np} workers needed "
-                                  f"to start (-np) were ready after {self._timeout_text()}")
+                                  f"to start ({self.names['np']}) were ready after "
+                                  f"{self._timeout_text()}")
             return None
         failing = [m for m in members if not m.alive or m.waiting]
         if not failing:
@@ -330,20 +334,21 @@ class ElasticDriver:
         if len(chosen) < self.options.min_np:
             if self._short_since is None:
                 self._short_since = time.monotonic()
-                self._say(f"{len(chosen)} worker(s) ready, fewer than --min-np "
+                self._say(f"{len(chosen)} worker(s) ready, fewer than {self.names['min_np']} "
                           f"{self.options.min_np}; waiting up to {self._timeout_text()} for "
                           "more")
             if time.monotonic() - self._short_since > self.timeout:
                 return self._fail(
                     f"only {len(chosen)} worker(s) ({summary(chosen)}) were ready, fewer than "
-                    f"--min-np {self.options.min_np}, for {self._timeout_text()}; no new "
-                    f"host slots appeared (hosts now: {describe(usable)})")
+                    f"{self.names['min_np']} {self.options.min_np}, for {self._timeout_text()}; "
+                    f"no new host slots appeared (hosts now: {describe(usable)})")
             return None
         if previous:
             limit = self.options.reset_limit
             if limit is not None and self.resets >= limit:
                 return self._fail("Horovod was shutdown because number of resets during "
-                                  f"elastic job exceeded limit: {limit} (--reset-limit)")
+                                  f"elastic job exceeded limit: {limit} "
+                                  f"({self.names['reset_limit']})")
             self.resets += 1
         self._short_since = None
         self.generation += 1
@@ -404,6 +409,7 @@ class ElasticDriver:
         return None
 
     def _fail(self, message: str) -> int:
+        self.failure = message
         self._say(f"error: elastic job failed: {message}")
         for m in self.members.values():
             if m.alive and m.leaving is None:
@@ -415,7 +421,7 @@ class ElasticDriver:
         return 1
 
     def _timeout_text(self) -> str:
-        return f"{self.timeout:g} s (--elastic-timeout)"
+        return f"{self.timeout:g} s ({self.names['elastic_timeout']})"
 
     def _say(self, text: str, *, verbose_only: bool = False) -> None:
         if self.spec.verbose or not verbose_only:
@@ -432,4 +438,4 @@ def run_elastic(spec: launch_mod.LaunchSpec, options: ElasticOptions, *,
         return driver.run()
 
 
-__all__ = ["ElasticDriver", "run_elastic"]
+__all__ = ["CLI_NAMES", "ElasticDriver", "run_elastic"]
