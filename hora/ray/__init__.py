@@ -28,13 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hora.ray import ray_logger
-    from hora.ray.runner import ElasticRayExecutor, RayExecutor
+    from hora.ray.elastic import ElasticRayExecutor
+    from hora.ray.runner import RayExecutor
     from hora.ray.settings import MiniSettings
     from hora.ray.worker import BaseHorovodWorker
 
 # Loaded on first use (PEP 562): a worker actor imports hora.ray.worker, and must not pay for
 # the driver's modules (runner, rendezvous store, launcher) when it starts.
-_LAZY = {"RayExecutor": "hora.ray.runner", "ElasticRayExecutor": "hora.ray.runner",
+_LAZY = {"RayExecutor": "hora.ray.runner", "ElasticRayExecutor": "hora.ray.elastic",
          "MiniSettings": "hora.ray.settings", "BaseHorovodWorker": "hora.ray.worker"}
 
 

@@ -57,7 +57,8 @@ class RayExecutor:
         use_current_placement_group: when called inside a placement group, place the workers
             in it instead of creating one (as Horovod).
         min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout,
-        override_discovery: Horovod's elastic mode; not available (NotImplementedError).
+        override_discovery: Horovod's elastic mode of this class; not available
+            (NotImplementedError naming :class:`~hora.ray.ElasticRayExecutor`, which is).
 
     Raises:
         ValueError: inconsistent counts or resources (see :func:`hora.ray.placement.layout`).
@@ -78,8 +79,7 @@ class RayExecutor:
             raise ValueError("give num_workers (a fixed-size job) or min_workers (elastic), "
                              "not both")
         if min_workers is not None:
-            raise NotImplementedError(_NO_ELASTIC.replace("ElasticRayExecutor",
-                                                          "RayExecutor(min_workers=...)"))
+            raise NotImplementedError(_NO_ELASTIC)
         del reset_limit, cooldown_range, elastic_timeout, override_discovery
         self.settings = settings if settings is not None else MiniSettings()
         self.settings.elastic = False
@@ -327,23 +327,10 @@ class RayExecutor:
         return f"RayExecutor(num_workers={self.num_workers}, {state})"
 
 
-_NO_ELASTIC = ("hora.ray: ElasticRayExecutor is not available in hora. Run a fixed-size job "
-               "with RayExecutor(settings, num_workers=N), or an elastic one with `hora run "
-               "--min-np ... --host-discovery-script ...` / hora.run(fn, min_np=...) "
-               "(docs/elastic.md)")
+_NO_ELASTIC = ("hora.ray: RayExecutor(min_workers=...) (Horovod's elastic RayExecutor) is not "
+               "available in hora; use ElasticRayExecutor(ElasticRayExecutor.create_settings("
+               "min_num_proc=..., max_num_proc=...), cpus_per_slot=...) and its run(fn) "
+               "(docs/ray.md), which runs the same elastic driver as `hora run --min-np`")
 
 
-class ElasticRayExecutor:
-    """Horovod's elastic Ray executor: not available in hora (every use raises
-    NotImplementedError saying what to use instead)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(_NO_ELASTIC)
-
-    @classmethod
-    def create_settings(cls, *args: Any, **kwargs: Any) -> Any:
-        """Raises NotImplementedError."""
-        raise NotImplementedError(_NO_ELASTIC)
-
-
-__all__ = ["ElasticRayExecutor", "RayExecutor"]
+__all__ = ["RayExecutor"]

@@ -99,10 +99,46 @@ class BaseHorovodWorker:
         ray_logger.configure(queue)
 
 
+class ElasticCall:
+    """What an :class:`~hora.ray.ElasticRayExecutor` worker runs: ``fn()``, reported with the
+    worker's rank and elastic generation at the end (both change at every reset) as
+    ``("result", rank, generation, value)``; ``("error", rank, generation, header, payload)``
+    when it raised (:func:`hora.runner.run_func.error_record`: the type, message and traceback,
+    and the pickled exception when it pickles); ``("exit", status)`` when it left through
+    ``SystemExit`` (status 0: the driver told it to leave)."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, executable: Any) -> tuple[Any, ...]:
+        try:
+            value = self.fn()
+        except SystemExit as exc:
+            code = exc.code
+            return ("exit", 0 if code is None else code if isinstance(code, int) else 1)
+        except Exception as exc:  # noqa: BLE001 (reported to the driver, which decides)
+            from hora.runner.run_func import error_record
+
+            rank, generation = _position()
+            header, payload = error_record(exc, rank)
+            return ("error", rank, generation, header, payload)
+        rank, generation = _position()
+        return ("result", rank, generation, value)
+
+
+def _position() -> tuple[int, int]:
+    """This worker's rank and elastic generation now."""
+    from hora.rendezvous.elastic import session
+
+    current = session(connect=False)
+    return (int(os.environ.get("HORA_RANK", "-1")),
+            current.generation if current is not None else 0)
+
+
 def remove_segments(job_id: str) -> int:
     """Unlink the job's shared memory segments on this node (a Ray task run on each node
     whose workers were killed: a killed rank cannot unlink its own). Returns how many."""
     return len(remove_job_segments(job_id))
 
 
-__all__ = ["BaseHorovodWorker", "remove_segments"]
+__all__ = ["BaseHorovodWorker", "ElasticCall", "remove_segments"]
