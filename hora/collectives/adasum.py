@@ -13,11 +13,19 @@ levels every rank holds the same result. Dot products and the combination are co
 float64 and rounded once to the buffer's dtype. Each exchange moves the whole vector (Horovod's
 MPI version halves it per level instead: fewer bytes, the same result up to rounding).
 
-A rank count that is not a power of two is refused, as Horovod does. Collective layer: works on
-one numpy buffer over the :class:`~hora.collectives.comm.Comm` protocol.
+When a vector is spread over several ranks (the hierarchical form,
+:mod:`hora.collectives.hierarchical_adasum`: each rank of a host holds one shard), the caller
+passes ``dot_sum``, which sums the three dot products over the ranks holding the other shards,
+so the coefficients are those of the whole vector, as Horovod's reduction communicators do.
+
+A rank count that is not a power of two is refused, as Horovod does (``NotImplementedError``).
+Collective layer: works on one numpy buffer over the :class:`~hora.collectives.comm.Comm`
+protocol; the engine never fuses two tensors into one Adasum (coefficients are per tensor).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -29,46 +37,113 @@ NORM_FLOOR = 1e-8
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 """Dtypes Adasum accepts (a dot product of integers has no meaning here)."""
 
-
-def check_size(size: int) -> None:
-    """Raise ValueError unless ``size`` ranks can run Adasum (a power of two)."""
-    if size < 1 or size & (size - 1):
-        raise ValueError(f"Adasum needs a number of ranks that is a power of two; this process "
-                         f"set has {size}. HINT: use op=Average, or a process set of 2^k ranks.")
+DotSum = Callable[[np.ndarray], None]
+"""Sums a float64 array of 3 dot products, in place, over the ranks that share a vector."""
 
 
-def combine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``adasum(a, b)`` in float64 (see the module docstring)."""
-    a64 = a.astype(np.float64, copy=False)
-    b64 = b.astype(np.float64, copy=False)
-    dot = float(np.dot(a64, b64))
-    anorm = float(np.dot(a64, a64))
-    bnorm = float(np.dot(b64, b64))
+def check_size(size: int, *, hosts: bool = False) -> None:
+    """Raise unless ``size`` ranks (or hosts, in the hierarchical form) can run Adasum.
+
+    Raises:
+        NotImplementedError: ``size`` is not a power of two (Horovod's exception type, with
+            Horovod's words first).
+    """
+    if size >= 1 and not size & (size - 1):
+        return
+    if hosts:
+        raise NotImplementedError(
+            f"Running Adasum with non-power of 2 nodes is not supported yet: this process set "
+            f"spans {size} hosts with several ranks on some of them, and hierarchical Adasum "
+            "combines one vector per host. HINT: use 2^k hosts, set "
+            "HOROVOD_HIERARCHICAL_ALLREDUCE=0 to run Adasum over every rank (2^k ranks), or "
+            "use op=Average.")
+    raise NotImplementedError(
+        f"Running Adasum with non-power of 2 ranks is not supported yet: this process set has "
+        f"{size} ranks. HINT: use op=Average, or a process set of 2^k ranks.")
+
+
+def hierarchical_hosts(hostnames: Sequence[str], hierarchical: bool | None) -> int | None:
+    """How many hosts a set whose rank ``i`` runs on ``hostnames[i]`` combines with Adasum
+    when it runs hierarchically, or None when Adasum runs over every rank (flat).
+
+    Hierarchical when the set spans several hosts and ``hierarchical`` (the
+    ``HOROVOD_HIERARCHICAL_ALLREDUCE`` setting) is True, or None (automatic) with some host
+    holding several of the set's ranks: the rule of :func:`hora.core.routing.build_route`.
+    """
+    hosts = len(set(hostnames))
+    if hosts <= 1:
+        return None
+    on = hosts < len(hostnames) if hierarchical is None else hierarchical
+    return hosts if on else None
+
+
+def check_set(hostnames: Sequence[str], hierarchical: bool | None) -> None:
+    """Raise unless a set whose rank ``i`` runs on ``hostnames[i]`` can run Adasum: 2^k hosts
+    in the hierarchical form, else 2^k ranks (see :func:`hierarchical_hosts`).
+
+    Raises:
+        NotImplementedError: as :func:`check_size`.
+    """
+    hosts = hierarchical_hosts(hostnames, hierarchical)
+    if hosts is None:
+        check_size(len(hostnames))
+    else:
+        check_size(hosts, hosts=True)
+
+
+def _dots(a64: np.ndarray, b64: np.ndarray) -> np.ndarray:
+    return np.array([np.dot(a64, b64), np.dot(a64, a64), np.dot(b64, b64)], dtype=np.float64)
+
+
+def _combine64(a64: np.ndarray, b64: np.ndarray, dots: np.ndarray) -> np.ndarray:
+    dot, anorm, bnorm = (float(x) for x in dots)
     acoeff = 1.0 - dot / anorm * 0.5 if anorm >= NORM_FLOOR else 1.0
     bcoeff = 1.0 - dot / bnorm * 0.5 if bnorm >= NORM_FLOOR else 1.0
     out: np.ndarray = acoeff * a64 + bcoeff * b64
     return out
 
 
-def adasum_allreduce(comm: Comm, buf: np.ndarray) -> None:
+def combine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``adasum(a, b)`` in float64 (see the module docstring)."""
+    a64 = a.astype(np.float64, copy=False)
+    b64 = b.astype(np.float64, copy=False)
+    return _combine64(a64, b64, _dots(a64, b64))
+
+
+def adasum_allreduce(comm: Comm, buf: np.ndarray, *, dot_sum: DotSum | None = None) -> None:
     """Replace ``buf`` (1-D, the same length on every rank) by the Adasum of every rank's
     ``buf``, in place.
 
+    Args:
+        comm: the ranks whose vectors are combined (2^k of them).
+        buf: this rank's vector (or its shard of a vector, with ``dot_sum``).
+        dot_sum: None for whole vectors; else called at every level with this shard's three
+            dot products (float64) and must sum them, in place and identically, over the
+            ranks holding the vector's other shards. Every such rank calls this function,
+            even with an empty shard.
+
     Raises:
-        ValueError: the number of ranks is not a power of two.
+        NotImplementedError: the number of ranks is not a power of two.
     """
     size, rank = comm.size, comm.rank
     check_size(size)
-    if size == 1 or buf.size == 0:
+    if size == 1 or (buf.size == 0 and dot_sum is None):
         return
     other = np.empty_like(buf)
     d = 1
     while d < size:
         partner = rank ^ d
-        comm.sendrecv(partner, buf, partner, other)
+        if buf.size:  # partners hold shards of the same length
+            comm.sendrecv(partner, buf, partner, other)
         low, high = (buf, other) if rank < partner else (other, buf)
-        buf[...] = combine(low, high).astype(buf.dtype, copy=False)
+        a64 = low.astype(np.float64, copy=False)
+        b64 = high.astype(np.float64, copy=False)
+        dots = _dots(a64, b64)
+        if dot_sum is not None:
+            dot_sum(dots)
+        buf[...] = _combine64(a64, b64, dots).astype(buf.dtype, copy=False)
         d <<= 1
 
 
-__all__ = ["FLOAT_DTYPES", "NORM_FLOOR", "adasum_allreduce", "check_size", "combine"]
+__all__ = ["FLOAT_DTYPES", "NORM_FLOOR", "DotSum", "adasum_allreduce", "check_set", "check_size",
+           "combine", "hierarchical_hosts"]

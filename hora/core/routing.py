@@ -10,7 +10,8 @@ the set's comm). The executor calls the route's methods and never picks algorith
   over shared memory, allreduce across hosts over TCP, spread back), unless
   ``HOROVOD_HIERARCHICAL_ALLREDUCE=0``; hierarchical allgather (gather on each host, exchange
   through one leader per host, broadcast on each host) when ``HOROVOD_HIERARCHICAL_ALLGATHER=1``;
-  other collectives use the flat TCP ring;
+  Adasum follows the allreduce's choice (:mod:`~hora.collectives.hierarchical_adasum`: host
+  averages combined across hosts); other collectives use the flat TCP ring;
 * otherwise the TCP ring (or star / recursive doubling, per ``select_allreduce``).
 """
 
@@ -35,6 +36,7 @@ from hora.collectives.hierarchical import (
     leader_allgather,
     leader_allreduce,
 )
+from hora.collectives.hierarchical_adasum import leader_adasum, shard_adasum
 from hora.collectives.ops import ReduceOp
 from hora.collectives.reducescatter import reducescatter
 from hora.collectives.select import select_allreduce
@@ -70,7 +72,7 @@ class Route:
                  shm_free: int = 0, scheme: DataPath = DataPath.RING,
                  local: ShmGroup | Comm | None = None,
                  cross: Comm | None = None, lane_group: ShmGroup | None = None,
-                 gather_hosts: list[list[int]] | None = None) -> None:
+                 gather_hosts: list[list[int]] | None = None, hosts: int = 1) -> None:
         self.comm = comm
         self.group = group  # the whole set on one host, over shared memory
         self.lane_group = lane_group  # a second group for the fast lane (hora.core.fastlane)
@@ -78,6 +80,7 @@ class Route:
         self._local = local
         self._cross = cross
         self._gather_hosts = gather_hosts  # the set's ranks per host: hierarchical allgather
+        self._hosts = hosts  # how many hosts the set spans (hierarchical Adasum checks it)
         self._config = config
         self._shm_free = shm_free
 
@@ -115,9 +118,15 @@ class Route:
         return None
 
     def allreduce(self, buf: np.ndarray, op: ReduceOp, scratch: np.ndarray) -> None:
-        """Reduce ``buf`` in place over this route (Adasum: over the set's comm, flat)."""
+        """Reduce ``buf`` in place over this route (Adasum: hierarchical when the route is,
+        else over the set's comm, flat: :mod:`hora.collectives.hierarchical_adasum`)."""
         if op is ReduceOp.Adasum:
-            adasum_allreduce(self.comm, buf)
+            if self.scheme is DataPath.SHARD and self._local is not None:
+                shard_adasum(self._local, self._cross, buf, hosts=self._hosts)
+            elif self.scheme is DataPath.LEADER and self._local is not None:
+                leader_adasum(self._local, self._cross, buf, hosts=self._hosts)
+            else:
+                adasum_allreduce(self.comm, buf)
         elif self.group is not None and self._shm_fits(buf.nbytes):
             self.group.allreduce(buf, op)
         elif self.scheme is DataPath.SHARD and self._local is not None:
@@ -198,7 +207,8 @@ def build_route(comm: Comm, hostnames: Sequence[str], config: Config, job_id: st
         log.info("process set of %d ranks on %d hosts: hierarchical allgather", comm.size,
                  len(layout.hosts))
     return Route(comm, config, scheme=DataPath(layout.scheme) if hierarchical else DataPath.RING,
-                 local=local, cross=cross, gather_hosts=layout.hosts if gather else None)
+                 local=local, cross=cross, gather_hosts=layout.hosts if gather else None,
+                 hosts=len(layout.hosts))
 
 
 def _shm_group(comm: Comm, config: Config, job_id: str) -> tuple[ShmGroup | None, int]:

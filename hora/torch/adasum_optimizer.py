@@ -24,8 +24,6 @@ from typing import Any
 
 import torch
 
-import hora
-from hora.collectives.adasum import check_size
 from hora.collectives.ops import ReduceOp
 from hora.core import distopt
 from hora.torch import ops
@@ -46,7 +44,6 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
                  compression: type[Compressor], backward_passes_per_step: int,
                  base_kwargs: dict[str, Any], state: dict[Any, Any]) -> None:
         init_wrapped(self, params, base_kwargs, state)
-        check_size(hora.size())
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self.op = ReduceOp.Adasum

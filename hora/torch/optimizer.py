@@ -315,16 +315,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
 
     Raises:
         ValueError: invalid options or ``named_parameters`` (see :mod:`hora.core.distopt`).
-        NotImplementedError: ``op=Adasum`` with a process set other than the global one.
+        NotImplementedError: ``op=Adasum`` with a process set other than the global one, or
+            ranks (hosts, when hierarchical) that are not a power of two.
     """
     groups = distopt.check_options(op, gradient_predivide_factor, backward_passes_per_step,
                                    num_groups, groups)
     if isinstance(groups, list):
         distopt.check_explicit_groups(groups, torch.is_tensor)
     base = optimizer.__class__
-    if ReduceOp(op) is ReduceOp.Adasum and hora.size() > 1:
-        if process_set is not global_process_set:
-            raise NotImplementedError("Adasum does not support non-global process sets yet.")
+    if distopt.adasum_delta(op, process_set):
         from hora.torch.adasum_optimizer import _DistributedAdasumOptimizer
 
         namespace = dict(_DistributedAdasumOptimizer.__dict__)
