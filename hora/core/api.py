@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from hora.collectives.adasum import FLOAT_DTYPES, check_size
+from hora.collectives.adasum import FLOAT_DTYPES, check_set
 from hora.collectives.ops import ReduceOp, check_dtype, dtype_name, scale_inplace
 from hora.core import context
 from hora.core.entry import Entry
@@ -70,12 +70,27 @@ def _set_ranks(ctx: context.Context, process_set: ProcessSet) -> tuple[int, tupl
     return set_id, ranks
 
 
-def _check_adasum(tensor: Any, size: int) -> None:
+def _check_adasum(tensor: Any, ranks: Sequence[int]) -> None:
     dtype = dtype_name(np.asarray(tensor).dtype)
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"Adasum reduces floating-point tensors ({', '.join(FLOAT_DTYPES)}), "
                          f"not {dtype}.")
-    check_size(size)
+    check_adasum_set(ranks)
+
+
+def check_adasum_set(ranks: Sequence[int]) -> None:
+    """Raise unless the set of global ``ranks`` can run Adasum: 2^k ranks, or 2^k hosts when
+    its allreduce runs hierarchically (:func:`hora.collectives.adasum.check_set`).
+
+    Raises:
+        NotImplementedError: Horovod's "non-power of 2" error, with the count.
+    """
+    ctx = context.get("Adasum")
+    hosts = ctx.hostnames or ["localhost"] * ctx.size
+    if all(0 <= r < len(hosts) for r in ranks):
+        check_set([hosts[r] for r in ranks], ctx.config.hierarchical_allreduce)
+    else:  # a set naming ranks this job does not have: no hosts to count
+        check_set(["?"] * len(ranks), False)
 
 
 def _full_name(ctx: context.Context, prefix: str, name: str | None, set_id: int) -> str:
@@ -129,7 +144,7 @@ def allreduce_async(tensor: Any, *, name: str | None = None, op: int = ReduceOp.
         op = ReduceOp(op)
     set_id, ranks = _set_ranks(ctx, process_set)
     if op is ReduceOp.Adasum:
-        _check_adasum(tensor, len(ranks))
+        _check_adasum(tensor, ranks)
     original = tensor
     work = _contiguous(tensor, "allreduce input")
     finish = None
