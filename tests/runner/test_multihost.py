@@ -122,6 +122,21 @@ def test_hierarchical_allgather_two_hosts_two_ranks(cluster: _netns.Cluster,
     assert no_leftovers(cluster) == {}
 
 
+def test_hierarchical_adasum_two_hosts_two_ranks(cluster: _netns.Cluster) -> None:
+    """op=Adasum across hosts: each host's ranks averaged over shared memory, the two host
+    means combined with Adasum over TCP; equal to numpy's on every rank (adasum_worker.py)."""
+    h1, h2 = addr(cluster, 1), addr(cluster, 2)
+    worker = str(Path(__file__).parents[1] / "integration" / "adasum_worker.py")
+    with hora_run(cluster, "-np", "4", "-H", f"{h1}:2,{h2}:2", "--verbose", PY, worker,
+                  "a,a,b,b", "hier") as launcher:
+        result = launcher.wait(JOB_TIMEOUT)
+    assert result.rc == 0, result.err
+    assert {r: lines for r, lines in result.lines().items()} == {r: [f"OK {r}"] for r in range(4)}
+    logs = result.lines("stderr")
+    assert all(any("data path: shard" in line for line in logs[r]) for r in range(4)), result.err
+    assert no_leftovers(cluster) == {}
+
+
 def test_network_interface_and_a_local_rank(cluster: _netns.Cluster, tmp_path: Path) -> None:
     h0, h2 = addr(cluster, 0), addr(cluster, 2)
     with hora_run(cluster, "-np", "2", "-H", f"{h0}:1,{h2}:1", "--network-interface",
