@@ -109,7 +109,7 @@ def check_supported(knob: Knob, value: Any, source: str, raw: str | None = None)
     Raises:
         ConfigError: that hora does not support it, why, what to use instead, how to go on.
     """
-    if not knob.unsupported or value == knob.default:
+    if not knob.unsupported or value == knob.default or value in knob.also_accepted:
         return
     keep = f" or set it to {_show(knob.default)}" if _show(knob.default) else ""
     fix = (f"Drop {source}." if source.startswith("-") else f"To go on, unset {source}{keep}."
@@ -121,7 +121,8 @@ def check_supported(knob: Knob, value: Any, source: str, raw: str | None = None)
 
 def accepted_text(knob: Knob) -> str:
     """What an unsupported knob accepts, for docs and help: "unset or 0"."""
-    return " or ".join(["unset", _show(knob.default)] if _show(knob.default) else ["unset"])
+    shown = [_show(knob.default)] if _show(knob.default) else []
+    return " or ".join(["unset", *shown, *knob.also_accepted])
 
 
 def _show(value: Any) -> str:
@@ -142,6 +143,7 @@ class Config:
     dynamic_process_sets: bool = False
     disable_group_fusion: bool = False
     allreduce_algorithm: str = "auto"
+    data_plane: str = "builtin"
     small_allreduce_bytes: int = 64 * 1024
     timeout_seconds: float = 30.0
     gloo_timeout_seconds: float = 30.0
@@ -195,6 +197,12 @@ def load(env: Mapping[str, str] | None = None, *, strict: bool = True) -> Config
                 break
     if "timeout_seconds" not in values and "gloo_timeout_seconds" in values:
         values["timeout_seconds"] = values["gloo_timeout_seconds"]
+    if values.get("cpu_operations") == "mpi":  # Horovod's MPI operations: the mpi data plane
+        plane = values.setdefault("data_plane", "mpi")
+        if plane != "mpi":
+            raise ConfigError(
+                f"HOROVOD_CPU_OPERATIONS=mpi asks for the mpi data plane, but HORA_DATA_PLANE="
+                f"{plane} asks for another: set only one of them.")
     if strict:
         known = {k.env for k in KNOBS} | NON_KNOB_HORA_VARS
         unknown = sorted(v for v in env if v.startswith("HORA_") and v not in known)

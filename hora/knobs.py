@@ -33,7 +33,10 @@ class Knob:
         maximum: largest allowed value for numbers, or None.
         hora_only: True for knobs Horovod does not have.
         unsupported: for a Horovod knob whose effect hora does not have: why, and what to use
-            instead; any value but ``default`` is refused (:func:`check_supported`).
+            instead; any value but ``default`` (and ``also_accepted``) is refused
+            (:func:`check_supported`).
+        also_accepted: values of an ``unsupported`` knob that hora does honour besides the
+            default (``HOROVOD_CPU_OPERATIONS=mpi``: the mpi data plane).
         check: extra validation of a parsed value: returns what is wrong, or "".
     """
 
@@ -50,6 +53,7 @@ class Knob:
     maximum: float | None = None
     hora_only: bool = False
     unsupported: str = ""
+    also_accepted: tuple[str, ...] = ()
     check: Callable[[Any], str] | None = None
 
 
@@ -91,10 +95,12 @@ _NO_MPI_CONTROLLER = (
     "HOROVOD_CONTROLLER=gloo, as horovodrun does). Ranks started by mpirun need no MPI "
     "controller: init() reads Open MPI's environment.")
 _NO_CPU_OPERATIONS = (
-    "hora does not support MPI or oneCCL CPU operations: its own CPU collectives (ring and "
+    "hora does not support oneCCL CPU operations: its own CPU collectives (ring and "
     "recursive doubling over TCP, shared memory within a host) play the part of Horovod's gloo "
-    "operations (hora run sets HOROVOD_CPU_OPERATIONS=gloo, as horovodrun does). Pick the "
-    "allreduce algorithm with HORA_ALLREDUCE_ALGORITHM (--allreduce-algorithm).")
+    "operations (hora run sets HOROVOD_CPU_OPERATIONS=gloo, as horovodrun does), and "
+    "HOROVOD_CPU_OPERATIONS=mpi moves the data over MPI (the mpi data plane, HORA_DATA_PLANE=mpi)."
+    " Pick the allreduce algorithm with HORA_ALLREDUCE_ALGORITHM (--allreduce-algorithm), or "
+    "the engine that moves the bytes with HORA_DATA_PLANE (--data-plane).")
 
 
 def _core_list_problem(text: Any) -> str:
@@ -137,6 +143,13 @@ KNOBS: tuple[Knob, ...] = (
        "hora-only: 'auto' (ring, or recursive doubling for small tensors), 'ring', 'small' "
        "(recursive doubling), or 'star' (parameter-server style: everyone sends to rank 0).",
        alias=False, choices=("auto", "ring", "small", "star")),
+    _k("data_plane", str, "builtin", "--data-plane",
+       "hora-only: the engine that moves the bytes of the data collectives: 'builtin' (hora's "
+       "own: shared memory within a host, TCP across hosts; the default, and the fastest "
+       "measured on one host), 'torch' (a torch.distributed gloo process group built from "
+       "hora's rendezvous), or 'mpi' (mpi4py over the system MPI; ranks started by mpirun or "
+       "`hora run --data-plane mpi`). Negotiation, fusion, checks and failure detection stay "
+       "hora's; see docs/data-planes.md.", alias=False, choices=("builtin", "torch", "mpi")),
     _k("small_allreduce_bytes", int, 64 * 1024, None,
        "hora-only: allreduces up to this many bytes use the latency-optimal algorithm "
        "(recursive doubling) when the algorithm is 'auto'.", alias=False),
@@ -223,7 +236,8 @@ KNOBS: tuple[Knob, ...] = (
        choices=("gloo", "mpi"), unsupported=_NO_MPI_CONTROLLER),
     _k("cpu_operations", str, "gloo", None,
        "Horovod's library of CPU collectives; hora run sets 'gloo' for every rank, as "
-       "horovodrun does.", choices=("gloo", "mpi", "ccl"), unsupported=_NO_CPU_OPERATIONS),
+       "horovodrun does. 'mpi' selects the mpi data plane (HORA_DATA_PLANE=mpi).",
+       choices=("gloo", "mpi", "ccl"), unsupported=_NO_CPU_OPERATIONS, also_accepted=("mpi",)),
 )
 
 KNOBS_BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}

@@ -55,7 +55,7 @@ REASON: dict[str, str] = {
     "autotune_gaussian_process_noise": r"only matters with autotune.*Tune by hand",
     "num_nccl_streams": r"no NCCL.*torch\.distributed",
     "controller": r"MPI controller.*HOROVOD_CONTROLLER=gloo",
-    "cpu_operations": r"MPI or oneCCL.*HORA_ALLREDUCE_ALGORITHM",
+    "cpu_operations": r"oneCCL.*HOROVOD_CPU_OPERATIONS=mpi.*mpi data plane.*HORA_DATA_PLANE",
 }
 
 
@@ -102,11 +102,26 @@ def test_what_horovod_users_leave_in_their_environment_is_accepted() -> None:
 
 
 def test_controller_and_cpu_operations_refuse_each_missing_library() -> None:
-    with pytest.raises(ConfigError, match="HOROVOD_CPU_OPERATIONS='MPI': hora does not support "
-                                          "MPI or oneCCL CPU operations"):
-        load({"HOROVOD_CPU_OPERATIONS": "MPI"})
+    with pytest.raises(ConfigError, match="HOROVOD_CPU_OPERATIONS='ccl': hora does not support "
+                                          "oneCCL CPU operations"):
+        load({"HOROVOD_CPU_OPERATIONS": "ccl"})
     with pytest.raises(ConfigError, match="expected one of gloo, mpi"):
         load({"HOROVOD_CONTROLLER": "nccl"})
+
+
+def test_mpi_cpu_operations_select_the_mpi_data_plane() -> None:
+    """Horovod's MPI CPU operations are hora's mpi data plane (docs/data-planes.md)."""
+    assert load({"HOROVOD_CPU_OPERATIONS": "MPI"}).data_plane == "mpi"
+    assert load({"HOROVOD_CPU_OPERATIONS": "mpi", "HORA_DATA_PLANE": "mpi"}).data_plane == "mpi"
+    assert load({"HOROVOD_CPU_OPERATIONS": "gloo", "HORA_DATA_PLANE": "torch"}).data_plane == (
+        "torch")
+    with pytest.raises(ConfigError, match="HOROVOD_CPU_OPERATIONS=mpi asks for the mpi data "
+                                          "plane, but HORA_DATA_PLANE=torch asks for another"):
+        load({"HOROVOD_CPU_OPERATIONS": "mpi", "HORA_DATA_PLANE": "torch"})
+    with pytest.raises(ConfigError, match=r"HORA_DATA_PLANE='nccl' is not a valid value for knob "
+                                          r"'data_plane' \(str\): expected one of builtin, "
+                                          r"torch, mpi"):
+        load({"HORA_DATA_PLANE": "nccl"})
 
 
 # ---- refused: hora run flags, config file, hora run's environment, init() ----------------------

@@ -24,6 +24,7 @@ from hora.core import affinity
 from hora.core import process_set as process_set_mod
 from hora.core.engine import Engine
 from hora.core.handle import HandleTable
+from hora.core.plane_route import check_plane
 from hora.core.process_set import ProcessSet, Registry, global_process_set
 from hora.errors import (
     ConfigError,
@@ -183,6 +184,7 @@ def _connect(config: Config, scope: str, sets: list[ProcessSet], dynamic: bool, 
 
     info = detect()
     hlog.set_rank(info.rank, info.size)
+    check_plane(config, info.launcher, info.size)  # every rank alike, before connecting
     if info.rank == 0:
         _warn_unknown_horovod_vars()
     closers: list[Any] = []

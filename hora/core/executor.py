@@ -20,6 +20,7 @@ from hora.collectives.ops import ReduceOp, scale_inplace, to_dtype
 from hora.config import Config
 from hora.core.entry import Entry
 from hora.core.messages import ERROR_DEADLOCK, ERROR_SHUTDOWN, ERROR_STALL, OpKind, Response
+from hora.core.plane_route import build_plane_route
 from hora.core.process_set import Registry
 from hora.core.routing import Route, build_route, close_quietly
 from hora.errors import (
@@ -87,7 +88,11 @@ class Executor:
             comm = self.comm_for(set_id)
             ranks = self._registry.ranks(set_id) or []
             hosts = self._hostnames or ["localhost"] * self._comm.size
-            route = build_route(comm, [hosts[r] for r in ranks], self._config, self._job_id)
+            if self._config.data_plane != "builtin":  # torch / mpi move the bytes
+                route = build_plane_route(self._comm, ranks, comm, [hosts[r] for r in ranks],
+                                          self._config, self._job_id, set_id)
+            else:
+                route = build_route(comm, [hosts[r] for r in ranks], self._config, self._job_id)
             self._routes[set_id] = route
             log.info("process set %d (%d ranks) data path: %s", set_id, comm.size, route.name)
         return route

@@ -60,6 +60,8 @@ class DataPath(str, enum.Enum):
     SHM = "shm"  # every member on this host, over shared memory
     SHARD = "shard"  # hierarchical across hosts, each host's ranks own a shard
     LEADER = "leader"  # hierarchical across hosts through one leader per host
+    TORCH = "torch"  # an external data plane: torch.distributed (hora.core.plane_route)
+    MPI = "mpi"  # an external data plane: MPI through mpi4py (hora.core.plane_route)
 
     def __str__(self) -> str:
         return self.value

@@ -311,6 +311,17 @@ class TcpTransport(Transport):
         if not poller.poll(self._timeout * 1000):
             raise self._timeout_error(waits)
 
+    def data_connections(self, peers: list[int]) -> dict[int, socket.socket]:
+        """The data connections to ``peers`` (global ranks), for a caller that waits on an
+        external data plane (:class:`hora.transports.planes.PeerWatch`) and must notice a
+        peer's death while that plane moves the bytes: it polls them, never reads or writes.
+
+        Raises:
+            TransportError: the transport is closed.
+            ValueError: a peer is this rank or out of range.
+        """
+        return {peer: self._sock(peer) for peer in peers}
+
     # ---- control plane (hora.transports.tcp_control) -----------------------------------------
 
     @override
