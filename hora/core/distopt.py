@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from hora.collectives.ops import ReduceOp
-from hora.core import api, context, grouped
+from hora.core import api, context
 from hora.core.process_set import ProcessSet, global_process_set
 
 T = TypeVar("T")
@@ -58,24 +58,30 @@ def scale_factors(op: int, gradient_predivide_factor: float) -> tuple[float, flo
     return 1.0, 1.0
 
 
-def adasum_delta(op: int, process_set: ProcessSet) -> bool:
-    """Whether a ``DistributedOptimizer`` with ``op`` is Horovod's Adasum *delta* optimizer:
-    ``op`` is Adasum and the job has more than one rank (as Horovod; with one rank the plain
-    optimizer runs). The model, shared by the torch, Keras and optax wrappers: each rank applies
-    the wrapped optimizer to its own gradients (accumulated locally over
-    ``backward_passes_per_step`` passes), and the change of every parameter (its delta) is
-    combined across ranks with Adasum, one tensor at a time; every rank then sets the parameter
-    to its value before the step plus the combined delta.
+def adasum_active(op: int, process_set: ProcessSet) -> bool:
+    """Whether a gradient wrapper (``DistributedOptimizer``, ``DistributedGradientTape``) with
+    ``op`` combines across ranks with Adasum: ``op`` is Adasum and the job has more than one
+    rank (with one rank, as in Horovod, the plain wrapper runs and nothing is combined).
+
+    The optimizers then are Horovod's Adasum *delta* optimizer, one model for the torch, Keras
+    and optax wrappers: each rank applies the wrapped optimizer to its own gradients
+    (accumulated locally over ``backward_passes_per_step`` passes), the change of every
+    parameter (its delta) is combined across ranks with Adasum, one tensor at a time, and every
+    rank sets the parameter to its value before the step plus the combined delta. A gradient
+    tape combines the gradients themselves with Adasum.
 
     Raises:
-        NotImplementedError: Adasum with a process set other than the global one (Horovod's
-            text), or a job whose ranks (hosts, when hierarchical) are not a power of two.
+        NotImplementedError: a process set other than the global one (Horovod's text), or a
+            job whose ranks (hosts, when hierarchical) are not a power of two.
     """
-    if ReduceOp(op) is not ReduceOp.Adasum or context.get("DistributedOptimizer").size <= 1:
+    if ReduceOp(op) is not ReduceOp.Adasum:
+        return False
+    size = context.get("DistributedOptimizer").size
+    if size <= 1:
         return False
     if process_set is not global_process_set:
         raise NotImplementedError("Adasum does not support non-global process sets yet.")
-    api.check_adasum_set(range(context.get("DistributedOptimizer").size))
+    api.check_adasum_set(range(size))
     return True
 
 
@@ -189,7 +195,7 @@ def allreduce_groups(arrays: Sequence[np.ndarray], names: Sequence[str],
                 arrays[i], name=names[i], op=ReduceOp(op), prescale_factor=prescale,
                 postscale_factor=postscale, process_set=process_set)))
         elif group:
-            handles.append((list(group), grouped.grouped_allreduce_async(
+            handles.append((list(group), api.grouped_allreduce_async(
                 [arrays[i] for i in group], name=names[group[0]], op=ReduceOp(op),
                 prescale_factor=prescale, postscale_factor=postscale, process_set=process_set)))
     out: list[np.ndarray] = list(arrays)
@@ -207,5 +213,5 @@ def allreduce_groups(arrays: Sequence[np.ndarray], names: Sequence[str],
     return out
 
 
-__all__ = ["adasum_delta", "allreduce_groups", "check_explicit_groups", "check_named_parameters",
+__all__ = ["adasum_active", "allreduce_groups", "check_explicit_groups", "check_named_parameters",
            "check_options", "default_names", "group_indices", "scale_factors", "split_list"]

@@ -323,7 +323,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
     if isinstance(groups, list):
         distopt.check_explicit_groups(groups, torch.is_tensor)
     base = optimizer.__class__
-    if distopt.adasum_delta(op, process_set):
+    if distopt.adasum_active(op, process_set):
         from hora.torch.adasum_optimizer import _DistributedAdasumOptimizer
 
         namespace = dict(_DistributedAdasumOptimizer.__dict__)
