@@ -78,6 +78,18 @@ def _check_adasum(tensor: Any, ranks: Sequence[int]) -> None:
     check_adasum_set(ranks)
 
 
+def check_adasum(dtype: Any, process_set: ProcessSet = global_process_set) -> None:
+    """Raise now what an Adasum allreduce of ``dtype`` (a numpy dtype) on ``process_set``
+    would raise when submitted: adapters call this at trace time.
+
+    Raises:
+        ValueError: not a floating-point dtype; an unknown set, or this rank not in it.
+        NotImplementedError: as :func:`check_adasum_set`.
+    """
+    _, ranks = _set_ranks(context.get("allreduce"), process_set)
+    _check_adasum(np.empty(0, dtype), ranks)
+
+
 def check_adasum_set(ranks: Sequence[int]) -> None:
     """Raise unless the set of global ``ranks`` can run Adasum: 2^k ranks, or 2^k hosts when
     its allreduce runs hierarchically (:func:`hora.collectives.adasum.check_set`).

@@ -13,7 +13,6 @@ from typing import Any
 
 import tensorflow as tf
 
-import hora
 from hora.collectives.ops import ReduceOp
 from hora.core import distopt
 from hora.core.process_set import ProcessSet, global_process_set
@@ -44,14 +43,13 @@ class _DistributedGradientTape(tf.GradientTape):
         self._hora_reducer.register_local(source)
 
 
-def _check(op: int, gradient_predivide_factor: float, num_groups: int, groups: Any) -> Any:
+def _check(op: int, gradient_predivide_factor: float, num_groups: int, groups: Any,
+           process_set: ProcessSet) -> Any:
     groups = distopt.check_options(op, gradient_predivide_factor, 1, num_groups, groups)
     if isinstance(groups, list):
         distopt.check_explicit_groups(groups, lambda v: hasattr(v, "shape") and hasattr(v, "dtype"),
                                       "tf.Variable")
-    if ReduceOp(op) is ReduceOp.Adasum and hora.size() > 1:
-        raise NotImplementedError("op=Adasum is not implemented in hora yet; use op=hvd.Average "
-                                  "(the default) or op=hvd.Sum.")
+    distopt.adasum_active(op, process_set)  # Adasum's rules, raised now rather than at a step
     return groups
 
 
@@ -63,7 +61,8 @@ def DistributedGradientTape(gradtape: tf.GradientTape,  # noqa: N802 - Horovod's
                             groups: Any = None, process_set: ProcessSet = global_process_set,
                             scale_local_gradients: bool = True) -> Any:
     """Wrap ``gradtape`` so that ``gradient()`` returns gradients reduced (``op``, default
-    Average) across ``process_set``.
+    Average) across ``process_set``. With ``op=Adasum`` the gradients are combined with Adasum,
+    one tensor at a time (Horovod's tape; global set, 2^k ranks or hosts).
 
     Args:
         compression: ``Compression.none`` or ``Compression.fp16`` (or your own compressor).
@@ -76,7 +75,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape,  # noqa: N802 - Horovod's
 
     ``device_dense`` / ``device_sparse`` are accepted for Horovod compatibility.
     """
-    groups = _check(op, gradient_predivide_factor, num_groups, groups)
+    groups = _check(op, gradient_predivide_factor, num_groups, groups, process_set)
     base = gradtape.__class__
     namespace = dict(_DistributedGradientTape.__dict__)
     namespace["_hora_base"] = base

@@ -103,6 +103,8 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
         return _sparse_allreduce(tensor, full, resolved, prescale_factor, postscale_factor,
                                  process_set)
     x = check_dtype(tensor, _sp.REDUCE)
+    if resolved is ReduceOp.Adasum:  # Horovod raises these when the op is built
+        _api.check_adasum(x.dtype.as_numpy_dtype, process_set)
     compressed, ctx = compression.compress(x)
     out = _allreduce(compressed, full, resolved, prescale_factor, postscale_factor, process_set)
     return compression.decompress(out, ctx)
@@ -120,7 +122,11 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
     full = op_name(name, ignore_name_scope)
     if not tensors:
         return []
-    pairs = [compression.compress(check_dtype(t, _sp.REDUCE)) for t in tensors]
+    checked = [check_dtype(t, _sp.REDUCE) for t in tensors]
+    if resolved is ReduceOp.Adasum:
+        for t in checked:
+            _api.check_adasum(t.dtype.as_numpy_dtype, process_set)
+    pairs = [compression.compress(t) for t in checked]
     xs = [c for c, _ in pairs]
     args = (resolved, prescale_factor, postscale_factor, process_set)
     outs = differentiable(

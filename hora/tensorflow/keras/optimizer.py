@@ -57,13 +57,13 @@ class _DistributedOptimizer(keras.optimizers.Optimizer):
 
 
 def _build(optimizer: Any, reducer: GradientReducer, backward_passes_per_step: int,
-           average_aggregated_gradients: bool) -> Any:
+           average_aggregated_gradients: bool, mixin: type = _DistributedOptimizer) -> Any:
     base = optimizer.__class__
     missing = [h for h in _HOOKS if not hasattr(base, h)]
     if missing:
         raise TypeError(f"DistributedOptimizer needs a Keras 3 optimizer; {base.__name__} has "
                         f"no {', '.join(missing)} (keras {keras.__version__}).")
-    namespace = {k: v for k, v in _DistributedOptimizer.__dict__.items()
+    namespace = {k: v for k, v in mixin.__dict__.items()
                  if k not in ("__dict__", "__weakref__")}
     namespace.update(_hora_base=base, __module__=base.__module__,
                      __qualname__=base.__qualname__)
@@ -97,7 +97,10 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802 
         compression: ``Compression.none`` or ``Compression.fp16`` (or your own compressor).
         sparse_as_dense: allreduce ``tf.IndexedSlices`` gradients as dense tensors.
         gradient_predivide_factor: Average is done as ``1/f`` before and ``f/size`` after.
-        op: ``Average`` (default) or ``Sum``.
+        op: ``Average`` (default), ``Sum``, or ``Adasum``: Horovod's Adasum delta optimizer
+            (each rank updates locally, the weight changes are combined with Adasum; global
+            process set, 2^k ranks or hosts; :mod:`hora.tensorflow.keras.adasum_optimizer`;
+            Horovod refuses Adasum with Keras optimizers).
         backward_passes_per_step: steps accumulated locally before each allreduce and update.
         average_aggregated_gradients: average (True) or sum (False, Horovod's default) the
             locally accumulated gradients.
@@ -107,20 +110,29 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802 
             set size.
 
     Raises:
-        ValueError: an op other than Average/Sum, or invalid options (see
+        ValueError: an op other than Average/Sum/Adasum, or invalid options (see
             :mod:`hora.core.distopt`).
+        NotImplementedError: ``op=Adasum`` with a process set other than the global one, or
+            ranks (hosts, when hierarchical) that are not a power of two.
     """
-    if ReduceOp(op) not in (ReduceOp.Average, ReduceOp.Sum):
-        raise ValueError(f"DistributedOptimizer supports op=Average or op=Sum, not "
+    if ReduceOp(op) not in (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum):
+        raise ValueError(f"DistributedOptimizer supports op=Average, op=Sum or op=Adasum, not "
                          f"{ReduceOp(op).name}.")
     groups = distopt.check_options(op, gradient_predivide_factor, backward_passes_per_step,
                                    num_groups, groups)
     if isinstance(groups, list):
         distopt.check_explicit_groups(groups, lambda v: hasattr(v, "shape"), "Keras variables")
-    prefix = name or f"Distributed{type(optimizer).__name__}"
+    delta = distopt.adasum_active(op, process_set)
+    kind = "DistributedDelta" if delta else "Distributed"  # Horovod's TF1 prefixes
+    prefix = name or f"{kind}{type(optimizer).__name__}"
     reducer = GradientReducer(prefix, compression, sparse_as_dense, op,
                               gradient_predivide_factor, groups, process_set,
                               scale_local_gradients)
+    if delta:
+        from hora.tensorflow.keras.adasum_optimizer import _DistributedAdasumOptimizer
+
+        return _build(optimizer, reducer, backward_passes_per_step,
+                      average_aggregated_gradients, _DistributedAdasumOptimizer)
     return _build(optimizer, reducer, backward_passes_per_step, average_aggregated_gradients)
 
 
