@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from hora.collectives.ops import ReduceOp
-from hora.core import api, context
+from hora.core import api, context, grouped
 from hora.core.process_set import ProcessSet, global_process_set
 
 T = TypeVar("T")
@@ -195,7 +195,7 @@ def allreduce_groups(arrays: Sequence[np.ndarray], names: Sequence[str],
                 arrays[i], name=names[i], op=ReduceOp(op), prescale_factor=prescale,
                 postscale_factor=postscale, process_set=process_set)))
         elif group:
-            handles.append((list(group), api.grouped_allreduce_async(
+            handles.append((list(group), grouped.grouped_allreduce_async(
                 [arrays[i] for i in group], name=names[group[0]], op=ReduceOp(op),
                 prescale_factor=prescale, postscale_factor=postscale, process_set=process_set)))
     out: list[np.ndarray] = list(arrays)

@@ -55,7 +55,7 @@ from hora.core.messages import (
     encode,
     parse_waits,
 )
-from hora.core.naming import AutoNames
+from hora.core.naming import AutoNames, InFlight
 from hora.core.process_set import Registry
 from hora.core.routing import Route
 from hora.errors import HoraError, HoraInternalError, PeerLostError, ShutdownError
@@ -63,10 +63,6 @@ from hora.timeline.writer import Timeline
 from hora.transports.base import Transport
 
 log = get_logger(__name__)
-
-_DUPLICATE = ("Requested to allreduce, allgather, or broadcast a tensor with the same name as "
-              "another tensor that is currently being processed.")
-
 
 ABORT_GATHER_SECONDS = 0.5
 """On a local failure, how long to listen for other ranks' reasons before failing the ops."""
@@ -83,15 +79,14 @@ class Engine:
         self.rank = transport.rank
         self.size = transport.size
         self._queue: deque[Entry] = deque()
-        self._names: dict[int, set[str]] = {}  # set -> names of its ops in flight
-        self._names_lock = threading.Lock()
+        self._in_flight = InFlight()  # names of the ops in flight, per set
         self.names = AutoNames()  # automatic op names (user threads; resynced on errors)
         self._pending: dict[int, dict[str, Entry]] = {}  # set -> name -> op; engine thread only
         self.timeline = Timeline.from_config(config, self.rank)
         self._hostnames, self._job_id = hostnames, job_id
         self._executor = Executor(transport.comm(), registry, config, self.timeline,
                                   hostnames=hostnames, job_id=job_id,
-                                  on_allreduce=self._on_allreduce)
+                                  on_negotiated=self._on_negotiated)
         self._reports = WaitReports(transport.wake)  # this rank's long waits, for rank 0
         self._watch = self._reports.watch
         self._release_done = self._release  # bound once: every op shares it
@@ -121,26 +116,40 @@ class Engine:
         if self._error is not None or self._stop.is_set():
             raise self._final_error()
         req = entry.request
-        with self._names_lock:
-            names = self._names.get(req.set_id)
-            if names is None:
-                names = self._names[req.set_id] = set()
-            if req.name in names:
-                raise ValueError(f"{_DUPLICATE} (name: '{req.name}'; give each in-flight op a "
-                                 "distinct name=)")
-            names.add(req.name)
-        entry.handle.set_id = req.set_id
-        entry.handle.add_done_callback(self._release_done, early=True)  # shared: no closure
-        entry.handle.watch = self._watch  # one bound method for every op (no allocation)
+        self._in_flight.take(req.set_id, req.name)
+        self._track(entry)
         kind = entry.request.kind
-        if kind is OpKind.ALLREDUCE:
-            if self._lanes.take(entry):
+        if kind is OpKind.ALLREDUCE or kind is OpKind.ALLGATHER:
+            if self._lanes.take([entry]):
                 return  # the fast lane runs it: no negotiation
         elif kind is OpKind.JOIN:
             self._lanes.before_join(kind, entry.request.set_id)
         elif kind is OpKind.REMOVE_PROCESS_SET:
             self._lanes.before_join(kind, entry.request.root)
         self._enqueue(entry)
+
+    def submit_group(self, entries: list[Entry]) -> None:
+        """Queue the ops of one grouped call (one kind, one process set, in order). In a fast
+        lane they are one unit: run together, or all negotiated. Raises as :meth:`submit`; a
+        duplicate name queues none of them."""
+        if not entries:
+            return
+        if self._error is not None or self._stop.is_set():
+            raise self._final_error()
+        self._in_flight.take_all(entries[0].request.set_id, [e.request.name for e in entries])
+        for entry in entries:
+            self._track(entry)
+        kind = entries[0].request.kind
+        if (kind is OpKind.ALLREDUCE or kind is OpKind.ALLGATHER) and self._lanes.take(entries):
+            return  # the fast lane runs them: no negotiation
+        for entry in entries:
+            self._enqueue(entry)
+
+    def _track(self, entry: Entry) -> None:
+        """Free the op's name when it completes; report long waits on it."""
+        entry.handle.set_id = entry.request.set_id
+        entry.handle.add_done_callback(self._release_done, early=True)  # shared: no closure
+        entry.handle.watch = self._watch  # one bound method for every op (no allocation)
 
     def _enqueue(self, entry: Entry) -> None:
         """Hand ``entry`` to the engine thread. If that thread has already failed or drained
@@ -194,9 +203,10 @@ class Engine:
             self._lane_error = error
         self.transport.wake()
 
-    def _on_allreduce(self, route: Route, resp: Response) -> None:
-        """Engine thread, before a negotiated allreduce runs: the set's lane opens or learns."""
-        self._lanes.on_allreduce(route, resp)
+    def _on_negotiated(self, route: Route, resp: Response) -> None:
+        """Engine thread, before a negotiated allreduce or allgather runs: the set's lane opens
+        or learns."""
+        self._lanes.on_negotiated(route, resp)
 
     def lane(self, set_id: int = 0) -> FastLane | None:
         """The set's fast lane, if it has one (tests, benchmarks)."""
@@ -204,8 +214,7 @@ class Engine:
 
     def _release(self, handle: Handle) -> None:
         """The op is done: its name is free (before any waiter wakes: a loop may reuse it)."""
-        with self._names_lock:
-            self._names[handle.set_id].discard(handle.name)
+        self._in_flight.free(handle.set_id, handle.name)
         handle.watch = None  # (a waiter keeps its own reference to report the end)
 
     def data_path(self, set_id: int = 0) -> str | None:

@@ -58,7 +58,7 @@ class Executor:
     def __init__(self, comm: Comm, registry: Registry, config: Config,
                  timeline: Timeline | None = None, hostnames: list[str] | None = None,
                  job_id: str = "",
-                 on_allreduce: Callable[[Route, Response], None] | None = None) -> None:
+                 on_negotiated: Callable[[Route, Response], None] | None = None) -> None:
         self._tl = timeline if timeline is not None else Timeline()
         self._comm = comm
         self._registry = registry
@@ -69,7 +69,8 @@ class Executor:
         self._routes: dict[int, Route] = {}
         self._fusion = np.empty(0, dtype=np.uint8)
         self._scratch = np.empty(0, dtype=np.uint8)
-        self._on_allreduce = on_allreduce  # sees each allreduce response before it runs
+        # sees each allreduce and allgather response before it runs (the fast lane learns them)
+        self._on_negotiated = on_negotiated
 
     def comm_for(self, set_id: int) -> Comm:
         comm = self._subcomms.get(set_id)
@@ -138,9 +139,10 @@ class Executor:
             tl.op_end(resp.names[0])
             return
         route = self.route_for(resp.set_id)
+        if self._on_negotiated is not None and (kind is OpKind.ALLREDUCE
+                                                or kind is OpKind.ALLGATHER):
+            self._on_negotiated(route, resp)
         if kind is OpKind.ALLREDUCE:
-            if self._on_allreduce is not None:
-                self._on_allreduce(route, resp)
             try:
                 self._allreduce(route, resp, entries)
             except BaseException as exc:

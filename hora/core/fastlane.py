@@ -1,36 +1,42 @@
-"""The fast lane: allreduce without a coordinator round trip, for a process set on one host.
+"""The fast lane: allreduce and allgather without a coordinator round trip, for a process set on
+one host.
 
-Horovod's *response cache*, redone for shared memory. Once an allreduce named ``n`` has been
-negotiated (by rank 0's :class:`~hora.core.coordinator.Coordinator`), every member remembers
-its response (dtype, shape, op, scale factors) in a numbered *slot*, assigned while that
-response runs, so every member numbers slots alike. A later allreduce of ``n`` with the same
-properties is a *hit*: it needs no negotiation, only agreement on *when* to run it.
+Horovod's *response cache*, redone for shared memory. Once an allreduce or allgather named
+``n`` has been negotiated (by rank 0's :class:`~hora.core.coordinator.Coordinator`), every
+member remembers its agreed properties (dtype, shape, op, scale factors) in a numbered *slot*
+(:mod:`hora.core.lane_cache`), assigned while that response runs, so every member numbers slots
+alike. A later op of ``n`` with the same properties (an allgather's first dimension may differ)
+is a *hit*: it needs no negotiation, only agreement on *when* to run it.
 
 **Logs.** Each member owns an append-only log in its shared-memory board (every board word
-is read and written by :class:`~hora.transports.shm_board.LaneBoards`). Every allreduce
-submitted on the set appends exactly one entry: its slot on a hit, ``MISS`` otherwise (the op
-then takes the negotiated path, as before). So position ``p`` of every member's log is that
-member's ``p``-th allreduce on the set.
+is read and written by :class:`~hora.transports.shm_board.LaneBoards`). Every allreduce and
+allgather submitted on the set appends exactly one entry: its slot on a hit, ``MISS`` otherwise
+(the op then takes the negotiated path, as before). So position ``p`` of every member's log is
+that member's ``p``-th such op. A grouped call (``grouped_allreduce``, ``grouped_allgather``, a
+sparse allreduce's two allgathers) appends its members at once, as one *unit*: all hits or all
+misses, made visible to the others in one store; an allgather's entry carries its first
+dimension.
 
-**Decisions.** Group rank 0 (the *leader*, :mod:`hora.core.lane_leader`) reads position ``p``
-of every log and publishes one decision in its board:
+**Decisions.** Group rank 0 (the *leader*, :mod:`hora.core.lane_leader`) reads the unit at
+position ``p`` of every log and publishes one decision in its board:
 
-* ``FAST k``: positions ``p .. p+k-1`` hold the same slot on every member, with one dtype, op
-  and scales and at most ``HOROVOD_FUSION_THRESHOLD`` bytes in all: every member runs them as
-  one fused shared-memory allreduce (packed straight into the segment);
-* ``DIVERGED``: the members disagree at ``p`` (different order, a miss, a changed shape): each
-  member hands its own op at ``p`` (if it was a hit) to the negotiated path, where the
-  coordinator pairs ops by name, or reports the mismatch naming the ranks;
+* ``FAST k``: positions ``p .. p+k-1`` hold the same units on every member: every member runs
+  them, as one fused shared-memory allreduce (packed straight into the segment; one dtype, op
+  and scales, at most ``HOROVOD_FUSION_THRESHOLD`` bytes), or as one allgather per position;
+* ``DIVERGED k``: the members disagree (different order, a miss, a changed shape): each member
+  hands its ops there (if they were hits) to the negotiated path, where the coordinator pairs
+  ops by name, or reports the mismatch naming the ranks;
 * ``OFF``: a member closed its log at ``p`` (``join``, its log full, a stall): every member hands
   every op at ``p`` or later to the negotiated path and stops appending. When a ``join``
   completes, the engine starts a fresh lane (a new group, the same slots) on every member.
 
 Every member applies the same decisions in the same order, so an op runs through the lane on
-all members or on none, and lane ops run in one order everywhere. The lane has its own
-shared-memory group and runs on its own thread (or on a thread waiting for one of its ops, which
-saves two thread hand-offs), so it never waits for the engine thread, nor the engine for it: a
-member blocked in a negotiated op cannot deadlock a lane op, whose every member has submitted
-it.
+all members or on none, lane ops run in one order everywhere, and a unit runs whole (split only
+where it exceeds one fused op). The lane has its own shared-memory group and runs on its own
+thread, or on a thread waiting for one of its ops (a handle's ``driver``: a grouped call's handle
+drives its members' lane), which saves two thread hand-offs; so it never waits for the engine
+thread, nor the engine for it: a member blocked in a negotiated op cannot deadlock a lane op,
+whose every member has submitted it.
 
 **Waiting.** Each board has a *doorbell* word: appending rings the leader's, deciding rings
 every member's. A lane thread with nothing to do sleeps on its doorbell (``FUTEX_WAIT``, in slices
@@ -44,31 +50,26 @@ for any failed collective.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from hora._util.log import get_logger
-from hora.collectives.ops import to_dtype
 from hora.config import Config
-from hora.core.agreement import (
-    agrees,
-    fusable,
-    fusion_key,
-    response_signature,
-)
 from hora.core.entry import Entry
 from hora.core.executor import Executor
 from hora.core.handle import BLOCKED_AFTER_S
-from hora.core.lane_leader import Leader, Slot
+from hora.core.lane_cache import MAX_BYTES, SlotCache
+from hora.core.lane_leader import Leader
 from hora.core.messages import OpKind, Response
 from hora.core.routing import Route
 from hora.errors import HoraError, HoraInternalError, ShutdownError
 from hora.transports.shm_board import (
+    ARG_CAPACITY,
     DIVERGED,
     FAST,
+    GROUPED,
     LOG_CAPACITY,
     MISS,
     LaneBoards,
@@ -82,13 +83,11 @@ IDLE_SLICE_S = 0.05
 BUSY_SLICE_S = 0.005
 """Doorbell wait slice while ops are pending (bounds the cost of a lost wakeup)."""
 
-MAX_BYTES = 4 * 1024 * 1024
-"""Largest allreduce (and fused batch) the lane runs. Above it the coordinator's round trip is
-a few percent of the op, and the negotiated path measured faster at 16 MiB in
-benchmarks/allreduce.py (6.3 ms against 7.4-9.0 ms through the lane)."""
-
 DRIVER_SPIN_FACTOR = 8
 """A waiting caller checks its doorbell this many times a collective's spin before sleeping."""
+
+KINDS = (OpKind.ALLREDUCE, OpKind.ALLGATHER)
+"""The ops a lane logs (each takes one log position, hit or miss)."""
 
 
 class FastLane:
@@ -100,8 +99,8 @@ class FastLane:
         config: fusion threshold, cache capacity, stall time.
         requeue: hands an op to the negotiated path (the engine's queue); called in log order.
         failed: called once, from the lane's thread, when a lane collective fails.
-        start: allreduces this rank submitted on the set before the lane existed; the log
-            begins with that many misses.
+        start: allreduces and allgathers this rank submitted on the set before the lane
+            existed; the log begins with that many misses.
     """
 
     def __init__(self, set_id: int, route: Route, config: Config, executor: Executor,
@@ -112,9 +111,7 @@ class FastLane:
             raise ValueError("the route has no lane group")
         fabric = route.lane_group.fabric
         self.set_id = set_id
-        self._route = lane_route
         self._fabric = fabric
-        self._config = config
         self._executor = executor
         executor.adopt_route(set_id, lane_route)
         self._requeue = requeue
@@ -122,19 +119,16 @@ class FastLane:
         self.size = fabric.size
         self.rank = fabric.rank
         self._boards = LaneBoards(fabric)
+        # slots: written on the engine thread, read by submitters and the driving thread
+        self._cache = SlotCache(set_id, lane_route, config.cache_capacity,
+                                min(max(0, config.fusion_threshold), MAX_BYTES))
         self._leader = None if self.rank else Leader(
-            set_id, self._boards, lane_route,
-            limit=min(max(0, config.fusion_threshold), MAX_BYTES),
+            set_id, self._boards, self._cache, lane_route,
             stall_s=0.0 if config.stall_check_disable
             else max(0.0, config.stall_check_time_seconds))
         # A waiter spins longer than a collective's wait: its peer is a whole op of Python
         # behind (tens of microseconds), and sleeping costs a wake-up on both sides.
         self._spin = fabric.spin_checks * DRIVER_SPIN_FACTOR
-        self._capacity = config.cache_capacity
-        # cache (written on the engine thread, read by submitters and the lane thread)
-        self._slots: list[Slot] = []
-        self._by_name: dict[str, Slot] = {}
-        self._responses: dict[tuple[str, ...], Response] = {}  # lane thread / driver only
         # this rank's log (guarded by _append_lock)
         self._append_lock = threading.Lock()
         self._count = 0
@@ -150,9 +144,8 @@ class FastLane:
         self._drive_lock = threading.Lock()
         self._consumed = 0
         self._read = 0
-        self._stale = False
         self.thread_ops = 0  # of which the lane thread ran (the rest: waiting callers)
-        self.batches = 0  # fused collectives run
+        self.batches = 0  # collectives run
         self.fast_ops = 0  # ops this rank ran through the lane (tests, benchmarks)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"hora-lane-{set_id}",
@@ -166,61 +159,62 @@ class FastLane:
 
     # ---- cache (engine thread) ---------------------------------------------------------------
     def learn(self, resp: Response) -> None:
-        """Remember a negotiated allreduce's tensors (before it runs, on every member alike)."""
-        if not fusable(resp):  # (Adasum runs on the set's TCP comm: never in the lane)
-            return
-        itemsize = to_dtype(resp.dtype).itemsize
-        fusion = fusion_key(resp)
-        for i, (name, shape) in enumerate(zip(resp.names, resp.shapes)):
-            nbytes = math.prod(shape) * itemsize
-            if nbytes > MAX_BYTES or not self._route.fits(nbytes):
-                continue
-            old = self._by_name.get(name)
-            if old is None and len(self._slots) >= self._capacity:
-                continue  # full: like Horovod's cache at capacity, new names are negotiated
-            index = len(self._slots) if old is None else old.index
-            slot = Slot(index, name, response_signature(resp, i), tuple(shape), nbytes,
-                        fusion)
-            if old is None:
-                self._slots.append(slot)
-            elif old != slot:
-                self._slots[index] = slot
-                self._stale = True  # cached responses may name the old shape
-            self._by_name[name] = slot
+        """Remember a negotiated allreduce's or allgather's tensors (before it runs, on every
+        member alike)."""
+        self._cache.learn(resp)
 
     def adopt_cache(self, old: FastLane) -> None:
         """Take over another lane's slots (a lane reopened after ``join``)."""
-        self._slots = list(old._slots)
-        self._by_name = dict(old._by_name)
+        self._cache.adopt(old._cache)
+
+    def retune(self, fusion_threshold: int) -> None:
+        """Autotune: the leader fuses up to ``fusion_threshold`` bytes (at most
+        :data:`~hora.core.lane_cache.MAX_BYTES`) from its next decision on."""
+        self._cache.limit = min(max(0, fusion_threshold), MAX_BYTES)
 
     # ---- submission (user threads) -----------------------------------------------------------
-    def submit(self, entry: Entry) -> bool:
-        """Log an allreduce; True if the lane runs it, False if it must be negotiated."""
-        req = entry.request
+    def submit(self, entries: list[Entry]) -> bool:
+        """Log a unit: one op, or the members of one grouped call, all of one kind in
+        :data:`KINDS`. True if the lane runs all of them, False if every one must be
+        negotiated."""
+        n = len(entries)
+        gather = entries[0].request.kind is OpKind.ALLGATHER
         with self._append_lock:
             if self._closed or self._off:
                 return False
-            slot = self._by_name.get(req.name)
-            hit = (slot is not None and entry.output is not None
-                   and agrees(slot.signature, req))
             count = self._count
-            if count - self._floor >= LOG_CAPACITY // 2:  # (a stale floor only over-counts)
-                self._floor = count - self._boards.backlog(count)
-            if count - self._floor >= LOG_CAPACITY:
+            ahead = count + n - self._floor
+            if ahead >= LOG_CAPACITY // 2 or (gather and ahead > ARG_CAPACITY):
+                self._floor = count - self._boards.backlog(count)  # (a stale floor over-counts)
+                ahead = count + n - self._floor
+            if ahead > LOG_CAPACITY:
                 self._close_locked()
                 log.debug("fast lane of set %d: log full, negotiating from now on", self.set_id)
                 return False
-            if hit and slot is not None:
-                self._entries[count] = entry
-                entry.handle.driver = self._drive
-            # A caller that waits at once runs its op: rings go to it, not to the lane thread
+            slots = self._cache.hits(entries)
+            rows = None
+            if slots is not None and gather:
+                if ahead > ARG_CAPACITY:  # a first dimension could overwrite an unread one
+                    slots = None
+                else:
+                    rows = [e.request.shape[0] for e in entries]
+            if slots is None:
+                values = [MISS] * n
+            else:
+                values = [slot.index | GROUPED for slot in slots]
+                values[-1] = slots[-1].index
+                drive = self._drive
+                for i, entry in enumerate(entries):
+                    self._entries[count + i] = entry
+                    entry.handle.driver = drive
+            hit = slots is not None
+            # A caller that waits at once runs its ops: rings go to it, not to the lane thread
             # (two thread hand-offs saved).
-            self._boards.append(count, slot.index if hit and slot is not None else MISS,
-                                hit and entry.sync)
-            self._count = count + 1
+            self._boards.append(count, values, rows, hit and entries[-1].sync)
+            self._count = count + n
         if self._leader is None:
             self._boards.ring(0)
-        elif hit and not entry.sync:
+        elif hit and not entries[-1].sync:
             self._boards.ring_lane()  # nobody waits yet: the lane thread decides and runs it
         return hit
 
@@ -313,7 +307,7 @@ class FastLane:
         """Decide (leader) and apply decisions; True if anything happened."""
         if self._error is not None:
             return False
-        busy = self._leader.decide(self._slots) if self._leader is not None else False
+        busy = self._leader.decide() if self._leader is not None else False
         return self._apply() or busy
 
     # ---- every member ------------------------------------------------------------------------
@@ -326,11 +320,12 @@ class FastLane:
                 self._run_batch(self._consumed, length)
                 self._consumed += length
             elif kind == DIVERGED:
-                entry = self._entries.pop(self._consumed, None)
-                if entry is not None:
-                    entry.handle.driver = None
-                    self._requeue(entry)
-                self._consumed += 1
+                for position in range(self._consumed, self._consumed + length):
+                    entry = self._entries.pop(position, None)
+                    if entry is not None:
+                        entry.handle.driver = None
+                        self._requeue(entry)
+                self._consumed += length
             else:
                 self._go_off()
             self._read += 1
@@ -346,24 +341,20 @@ class FastLane:
                 raise HoraInternalError(f"fast lane of process set {self.set_id} is out of step "
                                         f"at position {position} (a bug)")
             entries.append(entry)
-        if self._stale:
-            self._stale = False
-            self._responses.clear()
-        key = tuple(e.request.name for e in entries)
-        resp = self._responses.get(key)
-        if resp is None:  # the same batches recur every step: build each response once
-            slots = [self._by_name[name] for name in key]
-            agreed = slots[0].fusion  # every slot of a batch has the same fusion key
-            resp = Response(kind=OpKind.ALLREDUCE, names=list(key), set_id=self.set_id,
-                            dtype=agreed.dtype, device=agreed.device, op=agreed.op,
-                            prescale=agreed.prescale, postscale=agreed.postscale,
-                            shapes=[list(s.shape) for s in slots])
-            if len(self._responses) >= self._capacity:
-                self._responses.clear()
-            self._responses[key] = resp
-        self._executor.execute(resp, {e.request.name: e for e in entries})
+        try:
+            responses = self._cache.responses(entries, self._boards.rows, start)
+            if len(responses) == 1:
+                self._executor.execute(responses[0], {e.request.name: e for e in entries})
+            else:  # allgathers: one collective each
+                for resp, entry in zip(responses, entries):
+                    self._executor.execute(resp, {entry.request.name: entry})
+        except BaseException as exc:
+            for entry in entries:  # (the executor failed the op it ran; these never ran)
+                entry.handle.set_error(exc if isinstance(exc, HoraError)
+                                       else HoraInternalError(f"fast lane failed: {exc!r}"))
+            raise
         self.fast_ops += length
-        self.batches += 1
+        self.batches += len(responses)
 
     def _go_off(self) -> None:
         with self._append_lock:
@@ -419,6 +410,6 @@ class FastLane:
                 self._drive_lock.release()
 
     def describe(self) -> dict[str, Any]:
-        return {"set": self.set_id, "slots": len(self._slots), "logged": self._count,
+        return {"set": self.set_id, "slots": len(self._cache.slots), "logged": self._count,
                 "fast_ops": self.fast_ops, "thread_ops": self.thread_ops,
                 "batches": self.batches, "off": self._off}

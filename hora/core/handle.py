@@ -17,6 +17,10 @@ from hora.errors import HoraInternalError, HoraTimeoutError
 BLOCKED_AFTER_S = 0.25
 """A wait this long makes the waiting rank count as blocked in the op (deadlock detection)."""
 
+Driver = Callable[[Callable[[], bool], float | None], None]
+"""A fast lane's ``drive(until, timeout)``: runs the lane on the calling thread until
+``until()`` is true or ``timeout`` seconds passed."""
+
 
 class Handle:
     """The pending result of one collective.
@@ -40,7 +44,7 @@ class Handle:
         self._early: list[Callable[[Handle], None]] = []
         self._lock = threading.Lock()
         # Set while the op is in the fast lane: wait() lends the calling thread to run it.
-        self.driver: Callable[[Callable[[], bool], float | None], None] | None = None
+        self.driver: Driver | None = None
         # Told True when a wait has lasted BLOCKED_AFTER_S, False when that wait ends: the
         # engine reports blocked ranks to the coordinator, which detects certain deadlocks.
         self.watch: Callable[[Handle, bool], None] | None = None
@@ -87,14 +91,22 @@ class Handle:
             raise self._error
         return self._result
 
+    def lane_driver(self) -> Driver | None:
+        """What runs this op on a waiting thread while it is in a fast lane (None: not in one)."""
+        return self.driver
+
+    def _driven(self) -> bool:
+        """A waiter driving the lane may stop: the op finished or left the lane."""
+        return self._done or self.lane_driver() is None
+
     def _wait_done(self, timeout: float | None) -> bool:
         """Wait up to ``timeout`` (None: no limit); True once done. Runs the op on this thread
         while it is in the fast lane."""
-        driver = self.driver
+        driver = self.lane_driver()
         left = timeout
         if driver is not None and not self._done:
             start = time.monotonic()
-            driver(self.done, timeout)
+            driver(self._driven, timeout)
             if timeout is not None:
                 left = max(0.0, timeout - (time.monotonic() - start))
         return self._done or self._pass_gate(left)
@@ -213,47 +225,67 @@ class HandleTable:
             self._next = 1
 
 
-def join_handles(name: str, members: list[Handle]) -> Handle:
-    """One handle for a group of ops (grouped collectives, sparse allreduce): it resolves to
-    the list of the members' results, or to the first member's error."""
-    group = Handle(name)
-    if not members:
-        group.set_result([])
-        return group
-    remaining = [len(members)]
+class GroupHandle(Handle):
+    """One handle for the ops of a grouped call (grouped collectives, sparse allreduce): it
+    resolves to the list of the members' results, or to the first member's error.
 
-    def one_done(_h: Handle) -> None:
-        remaining[0] -= 1
-        if remaining[0] == 0:
+    Waiting on it is waiting on its members: while one of them is in a fast lane, the waiter
+    drives that lane (a grouped call's members share one lane unit); a wait that lasts
+    :data:`BLOCKED_AFTER_S` is reported as a wait on its first unfinished member, whose name
+    the coordinator knows (deadlock detection).
+    """
+
+    __slots__ = ("_count_lock", "_members", "_remaining", "_reported")
+
+    def __init__(self, name: str, members: list[Handle]) -> None:
+        super().__init__(name, members[0].set_id if members else 0)
+        self._members = members
+        self._remaining = len(members)
+        self._count_lock = threading.Lock()  # members may complete on different threads
+        self._reported: list[tuple[Callable[[Handle, bool], None], Handle]] = []
+        if not members:
+            self.set_result([])
+            return
+        self.watch = self._watch_members
+        for m in members:
+            m.add_done_callback(self._member_done)
+
+    def lane_driver(self) -> Driver | None:
+        for m in self._members:
+            driver = m.driver
+            if driver is not None and not m.done():
+                return driver  # (one lane per set: any member's driver is the set's)
+        return None
+
+    def _member_done(self, _member: Handle) -> None:
+        with self._count_lock:
+            self._remaining -= 1
+            last = self._remaining == 0
+        if last:
             try:
-                group.set_result([m.wait(0) for m in members])
+                self.set_result([m.wait(0) for m in self._members])
             except BaseException as exc:  # noqa: BLE001 - propagate the first failure
-                group.set_error(exc)
+                self.set_error(exc)
 
-    for m in members:
-        m.add_done_callback(one_done)
-    reported: list[tuple[Callable[[Handle, bool], None], Handle]] = []
-
-    def watch(_group: Handle, blocked: bool) -> None:
-        """A wait on the group is a wait on its first unfinished member (deadlock detection);
-        the member's own watch is kept, since a finished member's handle drops it."""
+    def _watch_members(self, _group: Handle, blocked: bool) -> None:
+        """A wait on the group is a wait on its first unfinished member; the member's own
+        watch is kept, since a finished member's handle drops it."""
         if blocked:
-            for m in members:
+            for m in self._members:
                 member_watch = m.watch
                 if not m.done() and member_watch is not None:
-                    reported.append((member_watch, m))
+                    self._reported.append((member_watch, m))
                     member_watch(m, True)
                     return
-        elif reported:
-            member_watch, member = reported.pop()
+        elif self._reported:
+            member_watch, member = self._reported.pop()
             member_watch(member, False)
 
-    group.watch = watch
-    # Members in a fast lane: waiting on the group runs the lane on the waiting thread, as a
-    # member's own wait would (one lane per set: any member's driver is the set's).
-    group.driver = next((m.driver for m in members if m.driver is not None), None)
-    return group
+
+def join_handles(name: str, members: list[Handle]) -> Handle:
+    """One handle for a group of ops (:class:`GroupHandle`)."""
+    return GroupHandle(name, members)
 
 
-
-__all__ = ["DerivedHandle", "Handle", "HandleTable", "HoraInternalError", "join_handles"]
+__all__ = ["DerivedHandle", "Driver", "GroupHandle", "Handle", "HandleTable", "HoraInternalError",
+           "join_handles"]

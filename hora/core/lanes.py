@@ -1,10 +1,11 @@
 """This rank's fast lanes: which op goes into one, and each lane's life (one per process set).
 
 A lane (:mod:`hora.core.fastlane`) opens on every member of a set at the set's first negotiated
-allreduce on a shared-memory route; it closes for ``join`` and ``remove_process_set`` (after
-flushing what this rank logged) and when rank 0 asks (a suspected deadlock); a completed ``join``
-reopens it with the same slots. The engine owns one :class:`Lanes` and calls it from its user
-side (:meth:`Lanes.take`, :meth:`Lanes.before_join`) and from its thread (the rest).
+allreduce or allgather on a shared-memory route; it closes for ``join`` and
+``remove_process_set`` (after flushing what this rank logged) and when rank 0 asks (a suspected
+deadlock); a completed ``join`` reopens it with the same slots. The engine owns one
+:class:`Lanes` and calls it from its user side (:meth:`Lanes.take`, :meth:`Lanes.before_join`)
+and from its thread (the rest).
 """
 
 from __future__ import annotations
@@ -48,20 +49,21 @@ class Lanes:
         self._watch_flush = watch_flush
         self._lanes: dict[int, FastLane] = {}
         self._lock = threading.Lock()  # orders allreduce submissions and lane creation
-        self._allreduces: dict[int, int] = {}  # set -> allreduces submitted (lane positions)
+        self._positions: dict[int, int] = {}  # set -> lane ops submitted (log positions)
         self._joining: set[int] = set()  # sets this rank joined (until every member has)
 
     def get(self, set_id: int) -> FastLane | None:
         return self._lanes.get(set_id)
 
     # ---- user threads ------------------------------------------------------------------------
-    def take(self, entry: Entry) -> bool:
-        """An allreduce was submitted: True if the set's lane runs it (no negotiation)."""
-        set_id = entry.request.set_id
-        with self._lock:  # the n-th allreduce on a set is at position n in its log
-            self._allreduces[set_id] = self._allreduces.get(set_id, 0) + 1
+    def take(self, entries: list[Entry]) -> bool:
+        """A unit of ops of a kind in :data:`~hora.core.fastlane.KINDS` was submitted (one op,
+        or a grouped call's members): True if the set's lane runs it (no negotiation)."""
+        set_id = entries[0].request.set_id
+        with self._lock:  # the n-th lane op on a set is at position n in its log
+            self._positions[set_id] = self._positions.get(set_id, 0) + len(entries)
             lane = self._lanes.get(set_id)
-            return lane is not None and lane.submit(entry)
+            return lane is not None and lane.submit(entries)
 
     def before_join(self, kind: OpKind, set_id: int) -> None:
         """A ``join`` (of ``set_id``) or ``remove_process_set`` (of set ``set_id``) is about to
@@ -76,18 +78,19 @@ class Lanes:
             lane.flush()
 
     # ---- engine thread -----------------------------------------------------------------------
-    def on_allreduce(self, route: Route, resp: Response) -> None:
-        """Before a negotiated allreduce runs: open the set's lane if it has none, learn it."""
+    def on_negotiated(self, route: Route, resp: Response) -> None:
+        """Before a negotiated allreduce or allgather runs: open the set's lane if it has none,
+        learn it."""
         lane = self._lanes.get(resp.set_id)
         if lane is None and route.lane_group is not None:
-            with self._lock:  # allreduces submitted before now were not logged: the lane
-                # counts them as misses, so position n stays the n-th allreduce everywhere
-                lane = self._new(resp.set_id, route, self._allreduces.get(resp.set_id, 0))
+            with self._lock:  # lane ops submitted before now were not logged: the lane counts
+                # them as misses, so position n stays the n-th lane op everywhere
+                lane = self._new(resp.set_id, route, self._positions.get(resp.set_id, 0))
                 if resp.set_id in self._joining:  # joined before its lane existed: it logs
                     lane.close_log()  # nothing, so the others must not wait for it
                 self._lanes[resp.set_id] = lane
-            log.info("process set %d: fast lane on (allreduces negotiated once skip rank 0; "
-                     "up to %d names)", resp.set_id, self._config.cache_capacity)
+            log.info("process set %d: fast lane on (allreduces and allgathers negotiated once "
+                     "skip rank 0; up to %d names)", resp.set_id, self._config.cache_capacity)
             lane.start()
         if lane is not None:
             lane.learn(resp)

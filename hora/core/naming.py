@@ -60,3 +60,46 @@ class AutoNames:
         with self._lock:
             if self._counters.get(key, 0) < n:
                 self._counters[key] = n
+
+
+DUPLICATE = ("Requested to allreduce, allgather, or broadcast a tensor with the same name as "
+             "another tensor that is currently being processed.")
+"""Horovod's text for a name already in flight."""
+
+
+class InFlight:
+    """The names of the ops in flight, per process set (an op's name is taken at submission and
+    freed when it completes). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._names: dict[int, set[str]] = {}
+
+    def take(self, set_id: int, name: str) -> None:
+        """Take ``name`` on ``set_id``.
+
+        Raises:
+            ValueError: it is in flight already (Horovod's text).
+        """
+        with self._lock:
+            names = self._names.get(set_id)
+            if names is None:
+                names = self._names[set_id] = set()
+            if name in names:
+                raise ValueError(f"{DUPLICATE} (name: '{name}'; give each in-flight op a "
+                                 "distinct name=)")
+            names.add(name)
+
+    def take_all(self, set_id: int, wanted: list[str]) -> None:
+        """Take every name of ``wanted``, or none of them (ValueError as :meth:`take`)."""
+        with self._lock:
+            names = self._names.setdefault(set_id, set())
+            for i, name in enumerate(wanted):
+                if name in names or name in wanted[:i]:
+                    raise ValueError(f"{DUPLICATE} (name: '{name}'; give each in-flight op a "
+                                     "distinct name=)")
+            names.update(wanted)
+
+    def free(self, set_id: int, name: str) -> None:
+        with self._lock:
+            self._names[set_id].discard(name)

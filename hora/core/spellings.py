@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from hora.collectives.ops import ReduceOp
-from hora.core import api
+from hora.core import api, grouped
 from hora.core import context as _context
 from hora.core.handle import DerivedHandle, Handle
 from hora.core.process_set import ProcessSet, global_process_set
@@ -137,11 +137,12 @@ def _grouped_allreduce(bridge: Bridge, inplace: bool, sync: bool, tensors: Seque
                        prescale_factor: float, postscale_factor: float,
                        process_set: ProcessSet) -> tuple[Handle, Convert]:
     hosts, device = bridge.hosts(tensors, REDUCE)
-    h = api.grouped_allreduce_async([x.array for x in hosts], name=name,
-                                    op=api.resolve_op(op, average),
-                                    prescale_factor=prescale_factor,
-                                    postscale_factor=postscale_factor, process_set=process_set,
-                                    inplace=inplace, device=device, sync=sync)
+    h = grouped.grouped_allreduce_async([x.array for x in hosts], name=name,
+                                        op=api.resolve_op(op, average),
+                                        prescale_factor=prescale_factor,
+                                        postscale_factor=postscale_factor,
+                                        process_set=process_set, inplace=inplace, device=device,
+                                        sync=sync)
     return h, _many(bridge, hosts, inplace)
 
 
@@ -152,15 +153,16 @@ def _allgather_proto(tensor: Any, name: str | None = None,
 def _allgather(bridge: Bridge, inplace: bool, sync: bool, tensor: Any, name: str | None,
                process_set: ProcessSet) -> tuple[Handle, Convert]:
     host = bridge.host(tensor, MOVE)
-    h = api.allgather_async(host.array, name=name, process_set=process_set, device=host.device)
+    h = api.allgather_async(host.array, name=name, process_set=process_set, device=host.device,
+                            sync=sync)
     return h, _one(bridge, host, False)
 
 
 def _grouped_allgather(bridge: Bridge, inplace: bool, sync: bool, tensors: Sequence[Any],
                        name: str | None, process_set: ProcessSet) -> tuple[Handle, Convert]:
     hosts, device = bridge.hosts(tensors, MOVE)
-    h = api.grouped_allgather_async([x.array for x in hosts], name=name,
-                                    process_set=process_set, device=device)
+    h = grouped.grouped_allgather_async([x.array for x in hosts], name=name,
+                                        process_set=process_set, device=device, sync=sync)
     return h, _many(bridge, hosts, False)
 
 
@@ -215,11 +217,11 @@ def _grouped_reducescatter(bridge: Bridge, inplace: bool, sync: bool, tensors: S
                            prescale_factor: float,
                            postscale_factor: float) -> tuple[Handle, Convert]:
     hosts, device = bridge.hosts(tensors, REDUCE)
-    h = api.grouped_reducescatter_async([x.array for x in hosts], name=name,
-                                        op=api.reducescatter_op(op),
-                                        prescale_factor=prescale_factor,
-                                        postscale_factor=postscale_factor,
-                                        process_set=process_set, device=device)
+    h = grouped.grouped_reducescatter_async([x.array for x in hosts], name=name,
+                                            op=api.reducescatter_op(op),
+                                            prescale_factor=prescale_factor,
+                                            postscale_factor=postscale_factor,
+                                            process_set=process_set, device=device)
     return h, _many(bridge, hosts, False)
 
 

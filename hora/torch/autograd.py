@@ -74,8 +74,9 @@ class _GroupedAllreduce(torch.autograd.Function):
     def forward(ctx: Any, name: str | None, op: ReduceOp, pre: float, post: float,
                 process_set: ProcessSet, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.args = (op, pre, post, process_set)
-        return tuple(ops.synchronize(ops.grouped_allreduce_async(
-            list(tensors), None, name, op, pre, post, process_set)))
+        # waits at once: the core lets this thread drive the group (fast lane), as for one op
+        return tuple(_sp.run(ops.TORCH, _sp.GROUPED_ALLREDUCE, list(tensors), None, name, op,
+                             pre, post, process_set))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -101,7 +102,7 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None,
                 process_set: ProcessSet) -> torch.Tensor:
-        out = ops.synchronize(ops.allgather_async(tensor, name, process_set))
+        out = _sp.run(ops.TORCH, _sp.ALLGATHER, tensor, name, process_set)  # (drives, as above)
         ctx.dim0, ctx.process_set = tensor.shape[0], process_set
         return out
 
@@ -121,7 +122,7 @@ class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: str | None, process_set: ProcessSet,
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        outs = ops.synchronize(ops.grouped_allgather_async(list(tensors), name, process_set))
+        outs = _sp.run(ops.TORCH, _sp.GROUPED_ALLGATHER, list(tensors), name, process_set)
         ctx.dims, ctx.process_set = [t.shape[0] for t in tensors], process_set
         return tuple(outs)
 

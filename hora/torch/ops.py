@@ -27,6 +27,7 @@ import torch
 
 from hora.collectives.ops import BFLOAT16
 from hora.core import api as _api
+from hora.core import grouped as _grouped
 from hora.core import spellings as _sp
 from hora.core.api import synchronize as synchronize  # re-exported: ops.synchronize
 from hora.core.process_set import ProcessSet, global_process_set
@@ -187,9 +188,9 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int | None,
         raise ValueError("sparse_allreduce_async needs a sparse COO tensor")
     values = check_tensor(tensor._values(), MOVE_DTYPES)
     indices = tensor._indices().transpose(0, 1).contiguous()
-    h = _api.sparse_allreduce_async(host_array(values), host_array(indices), name=name,
-                                    op=_api.resolve_op(op, None), process_set=process_set,
-                                    device=device_kind(tensor))
+    h = _grouped.sparse_allreduce_async(host_array(values), host_array(indices), name=name,
+                                        op=_api.resolve_op(op, None), process_set=process_set,
+                                        device=device_kind(tensor))
     device, shape = tensor.device, tensor.size()
 
     def wait() -> torch.Tensor:

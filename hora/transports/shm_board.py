@@ -9,7 +9,10 @@ Layout of each member's board (``LOG_CAPACITY`` log entries, ``DECISION_CAPACITY
 
 * ``COUNT``: entries this member appended to its log (a 32-bit counter, like every counter
   here: compared with :func:`~hora.transports.shm.reached`); entry ``p`` sits at
-  ``LOG + p % LOG_CAPACITY`` and holds a slot number or :data:`MISS`;
+  ``LOG + p % LOG_CAPACITY`` and holds a slot number or :data:`MISS`, with the :data:`GROUPED`
+  bit when the next entry belongs to the same *unit* (the members of one grouped call, appended
+  together and decided together); allgather entries keep their first dimension at
+  ``ARG + p % ARG_CAPACITY``;
 * ``OFF_AT``: ``p + 1`` once this member closed its log at position ``p`` (0: open);
 * ``CONSUMED`` / ``DECISIONS_READ``: positions and decisions this member has applied (the
   leader's flow control);
@@ -35,12 +38,23 @@ DECISION_CAPACITY = 1024
 
 (COUNT, OFF_AT, CONSUMED, DOORBELL, DECISIONS, DECISIONS_READ, LANE_BELL, DRIVING,
  ASLEEP) = range(9)
+ARG_CAPACITY = 512
+"""Positions whose argument word (an allgather's first dimension) is kept: an allgather is a hit
+only while the slowest member is less than this many positions behind."""
+
 LOG = 16
 DEC = LOG + LOG_CAPACITY
-assert DEC + DECISION_CAPACITY <= BOARD_WORDS
+ARG = DEC + DECISION_CAPACITY
+assert ARG + ARG_CAPACITY <= BOARD_WORDS
 
 MISS = 0xFFFFFFFF
 """Log entry of an op that is not a hit (it takes the negotiated path)."""
+
+GROUPED = 0x80000000
+"""Log entry bit: the next position belongs to the same unit (never set on :data:`MISS`)."""
+
+SLOT_MASK = GROUPED - 1
+"""A log entry's slot number (slots are numbered below this)."""
 
 UNWRITTEN, CLOSED, DIFFERENT = -2, -3, -4
 """What :meth:`LaneBoards.look` finds at a position instead of one common slot."""
@@ -95,14 +109,22 @@ class LaneBoards:
             own[LOG + position % LOG_CAPACITY] = MISS
         own[COUNT] = start & MASK
 
-    def append(self, position: int, value: int, driving: bool) -> None:
-        """Write log entry ``position`` (a slot or :data:`MISS`) and publish the new count;
-        ``driving``: the caller will wait for it at once (rings go to the caller)."""
+    def append(self, position: int, values: list[int], rows: list[int] | None,
+               driving: bool) -> None:
+        """Write log entries ``position, position + 1, ...`` (``values``: slots, with
+        :data:`GROUPED` on all but a unit's last, or :data:`MISS`) and their argument words
+        (``rows``, or None), then publish the new count once, so that a peer sees the whole
+        unit or none of it; ``driving``: the caller will wait for it at once (rings go to the
+        caller)."""
         own = self._own
-        own[LOG + position % LOG_CAPACITY] = value
+        for i, value in enumerate(values):
+            own[LOG + (position + i) % LOG_CAPACITY] = value
+        if rows is not None:
+            for i, count in enumerate(rows):
+                own[ARG + (position + i) % ARG_CAPACITY] = count
         if driving:
             own[DRIVING] = 1
-        own[COUNT] = (position + 1) & MASK
+        own[COUNT] = (position + len(values)) & MASK
 
     def backlog(self, count: int) -> int:
         """How far the slowest member's consumed position is behind ``count``."""
@@ -130,10 +152,10 @@ class LaneBoards:
 
     # ---- leader -------------------------------------------------------------------------------
     def look(self, p: int, slots: int) -> int:
-        """What every log says at position ``p``: the slot every member logged there (below
-        ``slots``); :data:`UNWRITTEN` if some member has not reached ``p``; :data:`CLOSED` if
-        some member closed its log at or before ``p``; :data:`DIFFERENT` if they disagree or
-        logged a miss."""
+        """What every log says at position ``p``: the entry every member logged there (a slot
+        below ``slots``, with its :data:`GROUPED` bit); :data:`UNWRITTEN` if some member has not
+        reached ``p``; :data:`CLOSED` if some member closed its log at or before ``p``;
+        :data:`DIFFERENT` if they disagree or logged a miss."""
         index = LOG + p % LOG_CAPACITY
         common = -1
         result = 0
@@ -151,7 +173,13 @@ class LaneBoards:
                 result = result or DIFFERENT
         if result:
             return result
-        return DIFFERENT if common == MISS or common >= slots else common
+        return DIFFERENT if common == MISS or common & SLOT_MASK >= slots else common
+
+    def rows(self, p: int) -> list[int]:
+        """Every member's argument word at position ``p`` (an allgather's first dimension), in
+        group rank order; valid while no member has consumed ``p``."""
+        index = ARG + p % ARG_CAPACITY
+        return [int(b[index]) for b in self._boards]
 
     def written(self, p: int) -> list[bool]:
         """Per member: whether its log holds position ``p``."""
