@@ -94,7 +94,7 @@ def _allreduce(kind: str, flat: Flat, leaves: list[Any], name: str | None, op: R
     gname = _grad_name(full, is_traced(leaves))
     args = (op, pre, post, process_set)
 
-    if grouped and len(leaves) > 1:
+    if grouped and len(leaves) > 1 and op is not ReduceOp.Adasum:  # Adasum: per leaf
         return _allreduce_packed(kind, flat, leaves, specs, full, op, pre, post, process_set)
 
     def forward(a: list[np.ndarray]) -> list[np.ndarray]:
@@ -153,6 +153,14 @@ def _allreduce_packed(kind: str, flat: Flat, leaves: list[Any], specs: list[Spec
     return result
 
 
+def _check_adasum(op: ReduceOp, flat: Flat, process_set: ProcessSet) -> None:
+    """Adasum's argument errors at call (trace) time, as Horovod raises them."""
+    if op is ReduceOp.Adasum:
+        for leaf in flat.leaves:
+            dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+            _api.check_adasum(np.dtype(dtype), process_set)
+
+
 def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
               compression: type[Compressor] = Compression.none, op: int | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -163,6 +171,7 @@ def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
     way to average metrics: ``hvd.allreduce({"loss": l, "acc": a})``."""
     resolved = _api.resolve_op(op, average)
     flat = flatten(tensor)
+    _check_adasum(resolved, flat, process_set)
     pairs = [compression.compress(x) for x in flat.leaves]
     outs = _allreduce("allreduce", flat, [c for c, _ in pairs], name, resolved,
                       prescale_factor, postscale_factor, process_set, not flat.single)
@@ -178,6 +187,7 @@ def grouped_allreduce(tensors: Any, average: bool | None = None, name: str | Non
     flat = flatten(tensors)
     if not flat.leaves:
         return tensors
+    _check_adasum(resolved, flat, process_set)
     pairs = [compression.compress(x) for x in flat.leaves]
     outs = _allreduce("grouped_allreduce", flat, [c for c, _ in pairs], name, resolved,
                       prescale_factor, postscale_factor, process_set, True)

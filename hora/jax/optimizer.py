@@ -7,6 +7,13 @@ host callback named at trace time: the same names every step). With
 ``backward_passes_per_step=k`` gradients are accumulated locally for ``k`` calls
 (``optax.MultiSteps``: their mean) and reduced and applied on every k-th call only.
 
+With ``op=Adasum`` (and more than one rank) it is Horovod's Adasum *delta* optimizer
+(:func:`hora.core.distopt.adasum_active`): the wrapped transformation runs first, on this
+rank's own gradients, and its updates (the parameter deltas, since optax's updates are what is
+added to the parameters) are combined across ranks with Adasum, one leaf at a time; the
+combined updates are returned, so ``optax.apply_updates`` gives every rank
+``params + adasum(delta)``.
+
 The option rules (checks, predivide factors, groups) are :mod:`hora.core.distopt`'s.
 """
 
@@ -65,7 +72,8 @@ def DistributedOptimizer(optimizer: optax.GradientTransformation,  # noqa: N802 
         compression: ``Compression.fp16`` sends floating gradients as float16.
         backward_passes_per_step: accumulate this many gradients locally (their mean) before
             one allreduce and one update (``optax.MultiSteps``).
-        op: Average (default), Sum, Adasum is not supported here.
+        op: Average (default), Sum, or Adasum: the delta optimizer (see the module docstring;
+            global process set, 2^k ranks or hosts).
         gradient_predivide_factor: Average only: divide by it before the sum and multiply
             after (Horovod's split of the average).
         groups: None (one fused group for the whole gradient tree) or k > 0 (k groups of
@@ -76,17 +84,21 @@ def DistributedOptimizer(optimizer: optax.GradientTransformation,  # noqa: N802 
 
     Raises:
         ValueError: invalid options (Horovod's texts), ``groups`` not an int.
+        NotImplementedError: ``op=Adasum`` with a process set other than the global one, or
+            ranks (hosts, when hierarchical) that are not a power of two.
     """
     if groups is not None and (isinstance(groups, bool) or not isinstance(groups, int)):
         raise ValueError("hora.jax.DistributedOptimizer: groups must be None or a positive int "
                          "(pytrees are grouped by position).")
-    if ReduceOp(op) is ReduceOp.Adasum:
-        raise ValueError("hora.jax.DistributedOptimizer does not support op=Adasum.")
     groups = distopt.check_options(op, gradient_predivide_factor, backward_passes_per_step, 0,
                                    groups)
     prescale, postscale = distopt.scale_factors(op, gradient_predivide_factor)
-    tx = optax.chain(_reducer(name, compression, ReduceOp(op), prescale, postscale, groups,
-                              process_set), optimizer)
+    reducer = _reducer(name, compression, ReduceOp(op), prescale, postscale, groups,
+                       process_set)
+    if distopt.adasum_active(op, process_set):
+        tx = optax.chain(optimizer, reducer)  # the local update, then Adasum of the deltas
+    else:
+        tx = optax.chain(reducer, optimizer)
     if backward_passes_per_step > 1:
         multi = optax.MultiSteps(tx, every_k_schedule=backward_passes_per_step)
         return multi.gradient_transformation()

@@ -32,5 +32,11 @@ def all_ids() -> list[str]:
     return ids[:-1] + JAX_ONLY + ids[-1:]
 
 
+ADASUM = ["adasum-allreduce-eager", "adasum-allreduce-jit", "adasum-tree",
+          "adasum-optimizer-sgd", "adasum-optimizer-adam", "adasum-optimizer-passes",
+          "adasum-errors"]
+"""The cases of group_jax_adasum.py (test_jax_adasum.py)."""
+
+
 def ids(group: str) -> list[str]:
-    return all_ids()
+    return ADASUM if group == "group_jax_adasum" else all_ids()
