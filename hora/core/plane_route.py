@@ -11,7 +11,8 @@ bytes of each collective go through the external engine (:mod:`hora.transports.t
 member decides alike; logged once per reason at INFO):
 
 * Adasum (neither engine has it);
-* reductions the engine lacks: int16 / uint16 on gloo; float16, bfloat16 and bool on MPI;
+* reductions the engine lacks or gets wrong: int16 / uint16 on gloo; float16, bfloat16, bool
+  and 8- and 16-bit integers on MPI (Open MPI 4.1 saturates their sums);
 * process sets of one rank (nothing moves).
 
 **The fast lane is off** with an external plane (the route has no lane group): every allreduce

@@ -46,9 +46,6 @@ _ELASTIC_ONLY: tuple[tuple[str, str], ...] = (
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
-_MPI_HINT = ("hora uses its own engine, so there is no mpirun launcher mode. You do not need "
-             "one: hora ranks run under MPI directly, e.g. `mpirun -np 4 python train.py` "
-             "(no hora run). Drop --mpi to let hora run start the ranks itself.")
 _JSRUN_HINT = ("hora has no jsrun launcher mode. Start the ranks with `hora run -np N ...` on "
                "one host, or with mpirun / srun directly (no hora run needed).")
 
@@ -81,8 +78,6 @@ def _refuse_unsupported(ns: argparse.Namespace, controller: str | None) -> None:
         if given and given != ["--max-np"]:  # horovodrun ignores --max-np alone
             raise ConfigError(f"{', '.join(given)} only apply to elastic mode: add --min-np N "
                               "or --host-discovery-script SCRIPT")
-    if ns.mpi or (controller == "mpi" and not ns.gloo):
-        raise ConfigError(_MPI_HINT)
     if ns.jsrun:
         raise ConfigError(_JSRUN_HINT)
 
@@ -150,6 +145,11 @@ def spec_from_args(ns: argparse.Namespace) -> LaunchSpec:
         raise ConfigError("no command given: hora run -np N <command> [args ...]")
 
     env = _forwarded(ns.env_vars or [])
+    if ns.mpi or (controller == "mpi" and not ns.gloo):  # horovodrun --mpi: run under MPI
+        plane = knobs.setdefault("data_plane", "mpi")
+        if plane != "mpi":
+            raise ConfigError(f"--mpi runs the job under mpirun with the mpi data plane, but "
+                              f"--data-plane {plane} asks for another: give only one of them")
     if ns.tcp:
         env["NCCL_IB_DISABLE"] = "1"
     interfaces = _interfaces(ns)
@@ -166,13 +166,16 @@ def spec_from_args(ns: argparse.Namespace) -> LaunchSpec:
         hosts = parse_hosts(ns.hosts)
     elif ns.hostfile is not None:
         hosts = parse_hostfile(ns.hostfile)
-    for flag, value in (("--mpi-args", ns.mpi_args), ("--binding-args", ns.binding_args)):
-        if value is not None:
-            say(f"note: {flag} is ignored: hora run starts the ranks itself, not via mpirun.")
+    if knobs.get("data_plane") != "mpi" and os.environ.get("HORA_DATA_PLANE") != "mpi":
+        for flag, value in (("--mpi-args", ns.mpi_args), ("--binding-args", ns.binding_args)):
+            if value is not None:
+                say(f"note: {flag} is ignored: hora run starts the ranks itself; mpirun starts "
+                    "them only with the mpi data plane (--data-plane mpi).")
     return LaunchSpec(np=ns.np, command=tuple(command), hosts=hosts, env=env,
                       output_filename=ns.output_filename, verbose=ns.verbose,
                       start_timeout=start_timeout, prefix_timestamp=ns.prefix_timestamp,
-                      ssh_port=ns.ssh_port, ssh_identity_file=ns.ssh_identity_file)
+                      ssh_port=ns.ssh_port, ssh_identity_file=ns.ssh_identity_file,
+                      mpi_args=ns.mpi_args, binding_args=ns.binding_args)
 
 
 def is_elastic(ns: argparse.Namespace) -> bool:
@@ -211,6 +214,11 @@ def run_main(argv: Sequence[str]) -> int:
     except ConfigError as exc:
         parser.error(str(exc))
     try:
+        if elastic is not None and "mpi" in (spec.env.get("HORA_DATA_PLANE"),
+                                             os.environ.get("HORA_DATA_PLANE")):
+            raise ConfigError("the mpi data plane cannot follow an elastic job's changing "
+                              "membership (MPI's world is fixed when mpirun starts it); use "
+                              "--data-plane builtin or torch with --min-np")
         if elastic is not None:
             return run_elastic(spec, elastic)
         return launch(spec)

@@ -14,7 +14,8 @@ Runner layer. The flow is ``hora run`` flags -> :class:`LaunchSpec` (this module
 * a rendezvous store (:class:`hora.rendezvous.kvstore.KVStoreServer`) served by the launcher
   for the life of the job.
 
-:func:`hora.runner.local.run_local` then runs the processes: ranks on this machine directly,
+:func:`hora.runner.local.run_local` then runs the processes (with the mpi data plane, ``mpirun``
+starts them instead: :mod:`hora.runner.mpi_launch`): ranks on this machine directly,
 ranks on other hosts through ``ssh`` (:mod:`hora.runner.ssh`: the hosts are checked first, in
 parallel; each remote rank's environment, secret included, travels over ssh's stdin). Host lists
 and slot assignment live in :mod:`hora.runner.hosts`, the choice of the store's address in
@@ -42,6 +43,7 @@ from hora.rendezvous.topology import Slot, compute_topology, identity_environmen
 from hora.runner import network, processes, ssh
 from hora.runner.hosts import HostSlots, assign_hosts, is_local_host, parse_hostfile, parse_hosts
 from hora.runner.local import CONSOLE, Console, RankLaunch, run_local
+from hora.runner.mpi_launch import launch_mpi
 
 SECRET_VAR = "HORA_SECRET_KEY"
 
@@ -84,6 +86,8 @@ class LaunchSpec:
         prefix_timestamp: put a time stamp before each relayed output line.
         ssh_port: ``-p``: the ssh port of every remote host.
         ssh_identity_file: ``-i``: the ssh private key for the remote hosts.
+        mpi_args: ``--mpi-args``: extra mpirun arguments (the mpi data plane's launch).
+        binding_args: ``--binding-args``: mpirun's binding arguments (the same).
     """
 
     np: int
@@ -96,6 +100,8 @@ class LaunchSpec:
     prefix_timestamp: bool = False
     ssh_port: int | None = None
     ssh_identity_file: str | None = None
+    mpi_args: str | None = None
+    binding_args: str | None = None
 
     def __post_init__(self) -> None:
         # Accept any sequence for convenience; store immutable tuples.
@@ -239,6 +245,13 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None,
         except OSError as exc:
             raise ConfigError(f"--output-filename {spec.output_filename!r}: cannot create the "
                               f"directory: {exc.strerror or exc}") from None
+    if config.data_plane == "mpi":  # one MPI job: mpirun starts the ranks (mpi_launch)
+        hosts = ",".join(f"{h.host}:{h.slots}" for h in spec.hosts) or None
+        return launch_mpi(spec.np, spec.command, base, where.address, hosts=hosts,
+                          mpi_args=spec.mpi_args, binding_args=spec.binding_args,
+                          ssh_port=spec.ssh_port, ssh_identity_file=spec.ssh_identity_file,
+                          output_dir=spec.output_filename, prefix_timestamp=spec.prefix_timestamp,
+                          verbose=spec.verbose, console=console)
     secret = secrets.token_hex(32)
     server = KVStoreServer(bytes.fromhex(secret), where.address, 0).start()
     try:

@@ -21,7 +21,8 @@ _GROUPS: tuple[tuple[str, str], ...] = (
     ("general", "general"),
     ("ssh", "ssh (ranks on hosts other than this machine are started over ssh)"),
     ("tunables", "tunables (exported to the ranks as HORA_* variables)"),
-    ("autotune", "autotune (not built yet: any value but the default is refused)"),
+    ("autotune", "autotune (rank 0 tunes the fusion threshold and cycle time while training: "
+                 "docs/autotune.md)"),
     ("elastic", "elastic training (enabled by --min-np or --host-discovery-script)"),
     ("timeline", "timeline"),
     ("stall", "stall check"),
@@ -44,6 +45,7 @@ _KNOB_GROUP: dict[str, str] = {
     "mpi_threads_disable": "library", "num_nccl_streams": "library",
     "thread_affinity": "library", "gloo_timeout_seconds": "library",
     "timeout_seconds": "library", "log_level": "logging", "log_hide_time": "logging",
+    "data_plane": "controller",
 }
 
 # Knobs whose flags are written by hand below instead of generated.
@@ -56,6 +58,10 @@ examples:
   hora run -np 8 --hostfile hosts.txt -p 2222 -i ~/.ssh/id_job --network-interface eth1 ...
   hora run -np 2 --fusion-threshold-mb 32 -x OMP_NUM_THREADS=1 python train.py
   hora run -np 4 --output-filename logs python train.py
+  hora run -np 2 --data-plane torch python train.py
+                                                 bytes over torch.distributed (gloo)
+  hora run -np 2 --data-plane mpi python train.py
+                                                 ranks under mpirun, bytes over MPI
   hora run -np 3 --min-np 2 --max-np 4 python train.py
                                                  elastic: goes on when a worker dies, grows
                                                  back at a commit (docs/elastic.md)
@@ -150,8 +156,9 @@ def _knob_parser(knob: Knob, flag: str) -> Any:
 
 
 class _KnobSwitch(argparse.BooleanOptionalAction):
-    """``--flag`` / ``--no-flag`` of a bool knob; a value hora does not support (``--autotune``)
-    is a usage error with the knob's reason (:func:`hora.config.check_supported`)."""
+    """``--flag`` / ``--no-flag`` of a bool knob; a value hora does not support
+    (``--torus-allreduce``) is a usage error with the knob's reason
+    (:func:`hora.config.check_supported`)."""
 
     def __init__(self, option_strings: list[str], dest: str, *, knob: Knob,
                  **kwargs: Any) -> None:
@@ -278,11 +285,13 @@ def build_run_parser() -> argparse.ArgumentParser:
 
     lib = groups["library"]
     lib.add_argument("--mpi-args", metavar="ARGS",
-                     help="extra mpirun arguments (unused: hora has no mpirun mode)")
+                     help="extra mpirun arguments (with --data-plane mpi, which starts the "
+                          "ranks through mpirun; ignored otherwise)")
     lib.add_argument("--tcp", dest="tcp", action="store_true",
                      help="TCP only: NCCL_IB_DISABLE=1 for the ranks")
     lib.add_argument("--binding-args", metavar="ARGS",
-                     help="mpirun binding arguments (unused: hora has no mpirun mode)")
+                     help="mpirun binding arguments, replacing '--bind-to none --map-by slot' "
+                          "(with --data-plane mpi; ignored otherwise)")
 
     lg = groups["logging"]
     lg.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp",
@@ -308,7 +317,9 @@ def build_run_parser() -> argparse.ArgumentParser:
     ctl = groups["controller"].add_mutually_exclusive_group()
     ctl.add_argument("--gloo", action="store_true",
                      help="start the ranks with hora's own launcher (the default)")
-    ctl.add_argument("--mpi", action="store_true", help="not available: see the message")
+    ctl.add_argument("--mpi", action="store_true",
+                     help="run under Open MPI's mpirun with the mpi data plane (the same as "
+                          "--data-plane mpi; hora's controller still negotiates)")
     ctl.add_argument("--jsrun", action="store_true", help="not available: see the message")
 
     groups["env"].add_argument(

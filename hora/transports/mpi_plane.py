@@ -20,14 +20,17 @@ the process from exiting through ``MPI_Finalize`` (which mpi4py calls at exit).
 MPI thread level: the plane thread calls MPI while the program's threads may too, so MPI must
 provide ``MPI_THREAD_SERIALIZED`` at least (mpi4py asks for ``MPI_THREAD_MULTIPLE`` by default).
 
-Reductions MPI lacks a type or op for (float16, bfloat16, bool) are reported by
-:meth:`MpiPlane.reduces`, so the caller runs them on hora's builtin path. Byte counts are MPI
+Reductions MPI lacks a type for (float16, bfloat16, bool), or gets wrong (8- and 16-bit
+integers: see :data:`_TYPES`), are reported by :meth:`MpiPlane.reduces`, so the caller runs
+them on hora's builtin path. Byte counts are MPI
 ``int`` (Open MPI 4.x has no large-count calls): a block over 2 GiB fails with MPI's error.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,23 +43,53 @@ from hora.transports.planes import Doorbell, Ticket
 
 log = get_logger(__name__)
 
-_TYPES = {"uint8": "UINT8_T", "int8": "INT8_T", "uint16": "UINT16_T", "int16": "INT16_T",
-          "int32": "INT32_T", "int64": "INT64_T", "float32": "FLOAT", "float64": "DOUBLE"}
-"""dtypes MPI reduces, with their MPI datatypes (float16, bfloat16, bool: none)."""
+_TYPES = {"int32": "INT32_T", "int64": "INT64_T", "float32": "FLOAT", "float64": "DOUBLE"}
+"""dtypes hora reduces over MPI, with their MPI datatypes. MPI has no float16, bfloat16 or bool
+sum; and Open MPI 4.1's vectorised (op/avx) sum of 8- and 16-bit integers saturates (measured
+here: 64 uint8 of 254 summed over 2 ranks give 255, not 252) where numpy and hora's own
+collectives wrap around, so those stay on hora's builtin path too."""
 
 _OPS = {"sum": "SUM", "min": "MIN", "max": "MAX", "product": "PROD"}
 
+CLOSE_TIMEOUT_S = 5.0
+"""How long closing a plane waits for its communicator's release."""
+
 
 def import_mpi() -> Any:
-    """``mpi4py.MPI`` (initialising MPI if the program has not), or ConfigError."""
+    """``mpi4py.MPI`` (initialising MPI if the program has not), or ConfigError.
+
+    When hora is the first to import it, hora also finalizes MPI at exit
+    (:func:`_finalize_at_exit`) instead of mpi4py, so that it can skip ``MPI_Finalize`` when
+    one of its MPI calls never completed: Open MPI's ``MPI_Finalize`` waits for it for ever
+    (measured with Open MPI 4.1: a survivor of a killed rank spun until mpirun killed it).
+    """
+    fresh = "mpi4py.MPI" not in sys.modules
     try:
+        import mpi4py
+
+        if fresh:
+            mpi4py.rc.finalize = False
         from mpi4py import MPI
     except ImportError as exc:
         raise ConfigError(
             "HORA_DATA_PLANE=mpi needs mpi4py over an MPI library: pip install mpi4py (its "
             "wheel uses the system's Open MPI or MPICH; apt-get install openmpi-bin), or "
             f"choose another data plane with HORA_DATA_PLANE / --data-plane: {exc}") from None
+    if fresh:
+        atexit.register(_finalize_at_exit, MPI)
     return MPI
+
+
+def _finalize_at_exit(mpi: Any) -> None:
+    """At exit: ``MPI_Finalize``, unless hora's MPI thread is stuck in a call (a lost peer)."""
+    _THREAD.finalized = True  # the MPI thread takes no more work
+    if not mpi.Is_initialized() or mpi.Is_finalized():
+        return
+    if not _THREAD.idle():
+        log.warning("an MPI call of hora's mpi data plane never completed (a peer was lost): "
+                    "MPI is not finalized, so that this process can exit")
+        return
+    mpi.Finalize()
 
 
 class _MpiThread:
@@ -67,9 +100,14 @@ class _MpiThread:
             queue.SimpleQueue())
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self.busy = False  # a job is running (or stuck) on the thread
+        self.finalized = False  # MPI is finalized (at exit): no more jobs
 
     def submit(self, job: Callable[[], None], ticket: Ticket) -> Ticket:
         """Run ``job`` on the thread; ``ticket`` finishes when it returns (or raises)."""
+        if self.finalized:
+            ticket.finish("MPI was finalized (the process is exiting)")
+            return ticket
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="hora-mpi", daemon=True)
@@ -109,15 +147,22 @@ class _MpiThread:
             raise box[1]
         return box[0]
 
+    def idle(self) -> bool:
+        """No job is running or queued."""
+        return not self.busy and self._jobs.empty()
+
     def _run(self) -> None:
         while True:
             job, ticket = self._jobs.get()
+            self.busy = True
             try:
                 job()
             except Exception as exc:  # the waiter reports it
+                self.busy = False
                 if ticket is not None:
                     ticket.finish(f"{type(exc).__name__}: {exc}")
                 continue
+            self.busy = False
             if ticket is not None:
                 ticket.finish()
 
@@ -227,10 +272,13 @@ class MpiPlane:
         return self._start(lambda: comm.Reduce_scatter(src, dst, sizes, mpi_op), (buf, out))
 
     def close(self) -> None:
-        """Free the communicator (on the MPI thread), unless an op was abandoned in it."""
-        if self._healthy:
-            comm = self._comm
-            _THREAD.submit(comm.Free, Ticket(self.bell))
+        """Free the communicator (on the MPI thread, waiting for it), unless an op was
+        abandoned in it or MPI is finalized already."""
+        if self._healthy and not _THREAD.finalized:
+            try:
+                _THREAD.call(self._comm.Free, CLOSE_TIMEOUT_S, "communicator release")
+            except Exception as exc:  # closing is local and best effort
+                log.debug("mpi data plane: freeing a communicator failed: %s", exc)
         self.bell.close()
 
 
