@@ -68,6 +68,15 @@ def main() -> None:
             assert err <= tol, f"{dtype} size {size}: max relative error {err}"
             everyone = hora.allgather(got[None], name=f"check.{size}.{dtype}")
             assert all(row.tobytes() == got.tobytes() for row in everyone), "ranks differ"
+    # a grouped call: every member keeps its own coefficients (never fused into one vector)
+    parts = [[data(q, 6, 7 + k) * (1 + 3 * k * q) for q in range(n)] for k in range(2)]
+    if mode == "hier":
+        parts = [[np.mean([v for v, h in zip(p, hosts) if h == host], axis=0) for host in order]
+                 for p in parts]
+    got = hora.grouped_allreduce([data(rank, 6, 7 + k) * (1 + 3 * k * rank) for k in range(2)],
+                                 op=hora.Adasum, name="ada.grouped")
+    for k, g in enumerate(got):
+        assert np.allclose(g, reference(parts[k]), rtol=1e-12, atol=1e-12), f"member {k}"
     print(f"OK {rank}", flush=True)
     hora.shutdown()
 
