@@ -26,6 +26,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hora.errors import HoraInternalError, RankFailedError
 from hora.runner.api import RemoteTraceback
@@ -73,8 +74,12 @@ class Callbacks:
             if not callable(cb):
                 raise TypeError(f"callbacks must be callables, not {type(cb).__name__}")
         self.callbacks = list(callbacks)
-        # No CPU: the workers' placement group may hold every CPU of the cluster.
-        self.queue = Queue(actor_options={"num_cpus": 0})
+        # No CPU: the workers' placement group may hold every CPU of the cluster. On the
+        # driver's node: a node that leaves the cluster must not take the queue with it.
+        here = ray.get_runtime_context().get_node_id()
+        self.queue = Queue(actor_options={
+            "num_cpus": 0,
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)})
 
     def drain(self) -> None:
         """Call every callback with every value queued so far, in order."""

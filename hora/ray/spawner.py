@@ -198,8 +198,9 @@ class RaySpawner:
                 pass
         for worker in workers:
             _kill(worker.actor)
-        nodes = {w.node_id for w in workers if w.node_id is not None}
-        if not nodes and workers:
+        alive = {str(n["NodeID"]) for n in ray.nodes() if n.get("Alive", n.get("alive"))}
+        nodes = {w.node_id for w in workers if w.node_id is not None} & alive
+        if not nodes and workers:  # placed by resource, or every node used is gone
             nodes = {str(ray.get_runtime_context().get_node_id())}
         if self._job_id and nodes:
             placement.stop([], None, job_id=self._job_id, nodes=nodes)
