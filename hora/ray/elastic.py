@@ -20,6 +20,7 @@ rank).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -196,6 +197,56 @@ class ElasticRayExecutor:
                 f"{'started' if self._started else 'not started'})")
 
 
+class ElasticMode:
+    """``RayExecutor(settings, min_workers=...)``: Horovod's newer spelling of an elastic job
+    (it deprecated :class:`ElasticRayExecutor` for it), run by an :class:`ElasticRayExecutor`.
+    The executor delegates every call here; the workers live only as long as one
+    :meth:`run` / :meth:`execute`, so nothing is left to address between calls."""
+
+    def __init__(self, settings: Any, *, min_workers: int, max_workers: int | None,
+                 cpus_per_worker: float, use_gpu: bool, gpus_per_worker: float | None,
+                 reset_limit: int | None, cooldown_range: Sequence[float] | None,
+                 elastic_timeout: float, override_discovery: bool) -> None:
+        elastic = create_elastic_settings(
+            min_num_proc=min_workers, max_num_proc=max_workers, reset_limit=reset_limit,
+            elastic_timeout=elastic_timeout, timeout_s=getattr(settings, "timeout_s", 30),
+            nics=getattr(settings, "nics", None), verbose=getattr(settings, "verbose", 1),
+            cooldown_range=tuple(cooldown_range) if cooldown_range else None)
+        elastic.discovery = getattr(settings, "discovery", None)
+        self.executor = ElasticRayExecutor(elastic, use_gpu=use_gpu,
+                                           cpus_per_slot=cpus_per_worker,
+                                           gpus_per_slot=gpus_per_worker,
+                                           override_discovery=override_discovery)
+        self.num_workers = min_workers
+
+    def start(self, executable_cls: type | None, extra_env_vars: Mapping[str, Any] | None,
+              ) -> None:
+        if executable_cls is not None:
+            raise NotImplementedError(
+                "hora.ray: executable_cls is not available with min_workers (elastic): the "
+                "workers come and go, so no object lives between calls; create what you need "
+                "inside the function you run")
+        self.executor.env_vars.update(environment.check_extra(extra_env_vars))
+        self.executor.start()
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] | None,
+            kwargs: Mapping[str, Any] | None,
+            callbacks: Sequence[Callable[[Any], Any]] | None) -> list[Any]:
+        return self.executor.run(functools.partial(fn, *(args or ()), **dict(kwargs or {})),
+                                 callbacks)
+
+    def execute(self, fn: Callable[[Any], Any],
+                callbacks: Sequence[Callable[[Any], Any]] | None) -> list[Any]:
+        return self.executor.run(functools.partial(fn, None), callbacks)
+
+    @staticmethod
+    def refuse(what: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"hora.ray: {what} is not available with min_workers (elastic): the workers are "
+            "ephemeral; use run() or execute(), which return the final workers' results (as "
+            "Horovod)")
+
+
 def outcome(workers: list[RayWorker], status: int, failure: str | None) -> list[Any]:
     """The final generation's values in rank order (``status`` 0), else the error to raise."""
     finished = [w.outcome for w in workers if w.outcome and w.outcome[0] == "result"]
@@ -248,4 +299,4 @@ def _reraise(worker: RayWorker, reason: str) -> None:
     raise exc from RemoteTraceback(rank, str(header.get("traceback", "")))
 
 
-__all__ = ["ElasticRayExecutor", "ElasticSettings", "RayHostDiscovery", "outcome"]
+__all__ = ["ElasticMode", "ElasticRayExecutor", "ElasticSettings", "RayHostDiscovery", "outcome"]

@@ -15,7 +15,7 @@ import logging
 import secrets
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -23,6 +23,9 @@ from hora._util.net import interface_address, interface_names
 from hora.ray import environment, gather, placement
 from hora.ray.settings import MiniSettings, create_settings
 from hora.rendezvous.kvstore import KVStoreServer
+
+if TYPE_CHECKING:
+    from hora.ray.elastic import ElasticMode
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +45,7 @@ class _Call:
 
 
 class RayExecutor:
-    """Run a hora job on Ray actors (Horovod's ``RayExecutor``, non-elastic).
+    """Run a hora job on Ray actors (Horovod's ``RayExecutor``; elastic with ``min_workers``).
 
     Args:
         settings: from :meth:`create_settings` (or any object with its attributes).
@@ -57,12 +60,15 @@ class RayExecutor:
         use_current_placement_group: when called inside a placement group, place the workers
             in it instead of creating one (as Horovod).
         min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout,
-        override_discovery: Horovod's elastic mode of this class; not available
-            (NotImplementedError naming :class:`~hora.ray.ElasticRayExecutor`, which is).
+        override_discovery: Horovod's elastic mode of this class (instead of
+            ``num_workers``): :meth:`run` / :meth:`execute` then run an elastic job of
+            ``min_workers`` to ``max_workers`` workers through an
+            :class:`~hora.ray.ElasticRayExecutor` (``cpus_per_worker`` / ``gpus_per_worker``
+            per slot); ``run_remote``, ``execute_single`` and ``executable_cls`` are refused
+            with NotImplementedError (the workers are ephemeral), as Horovod.
 
     Raises:
         ValueError: inconsistent counts or resources (see :func:`hora.ray.placement.layout`).
-        NotImplementedError: an elastic argument was given.
     """
 
     def __init__(self, settings: Any, num_workers: int | None = None,
@@ -78,11 +84,20 @@ class RayExecutor:
         if min_workers and num_workers:
             raise ValueError("give num_workers (a fixed-size job) or min_workers (elastic), "
                              "not both")
-        if min_workers is not None:
-            raise NotImplementedError(_NO_ELASTIC)
-        del reset_limit, cooldown_range, elastic_timeout, override_discovery
         self.settings = settings if settings is not None else MiniSettings()
-        self.settings.elastic = False
+        self._elastic: ElasticMode | None = None
+        if min_workers is not None:
+            from hora.ray.elastic import ElasticMode
+
+            self._elastic = ElasticMode(
+                self.settings, min_workers=min_workers, max_workers=max_workers,
+                cpus_per_worker=cpus_per_worker, use_gpu=use_gpu,
+                gpus_per_worker=gpus_per_worker, reset_limit=reset_limit,
+                cooldown_range=cooldown_range, elastic_timeout=elastic_timeout,
+                override_discovery=override_discovery)
+            num_workers = min_workers
+        del reset_limit, cooldown_range, elastic_timeout, override_discovery
+        self.settings.elastic = self._elastic is not None
         self.layout = placement.layout(num_workers, num_hosts, num_workers_per_host,
                                        cpus_per_worker, use_gpu, gpus_per_worker,
                                        use_current_placement_group)
@@ -130,6 +145,8 @@ class RayExecutor:
             Exception: what ``executable_cls`` raised in a worker (as :meth:`run` reports it).
         Nothing is left running when it raises.
         """
+        if self._elastic is not None:
+            return self._elastic.start(executable_cls, extra_env_vars)
         if self._started is not None:
             raise RuntimeError("hora.ray: this executor is already started; call shutdown() "
                                "before start() again")
@@ -262,20 +279,30 @@ class RayExecutor:
             RankFailedError: a rank's actor died (killed, out of memory, node lost); names the
                 rank. After a death, or when ranks were still blocked :data:`FAILURE_GRACE_S`
                 after a failure, every worker is stopped and the executor must be restarted.
+
+        With ``min_workers`` (elastic) it runs as :meth:`ElasticRayExecutor.run` and returns
+        the final generation's results in rank order.
         """
+        if self._elastic is not None:
+            return self._elastic.run(fn, args, kwargs, callbacks)
         return self._everywhere(_Call(fn, args, kwargs), callbacks, gather.function_name(fn))
 
     def run_remote(self, fn: Callable[..., Any], args: Sequence[Any] | None = None,
                    kwargs: Mapping[str, Any] | None = None) -> list[Any]:
         """Like :meth:`run` without waiting: one Ray ``ObjectRef`` per worker, in rank order
-        (``ray.get`` them; a failure then surfaces as Ray reports it)."""
+        (``ray.get`` them; a failure then surfaces as Ray reports it). Not with
+        ``min_workers``."""
+        if self._elastic is not None:
+            raise self._elastic.refuse("run_remote()")
         return self._submit(_Call(fn, args, kwargs), list(range(self.num_workers)), None)
 
     def execute(self, fn: Callable[[Any], Any],
                 callbacks: Sequence[Callable[[Any], Any]] | None = None) -> list[Any]:
         """Call ``fn(executable)`` on every worker (``executable`` is the worker's
         ``executable_cls`` instance, None without one); results in rank order. ``callbacks``
-        and failures as in :meth:`run`."""
+        and failures as in :meth:`run` (with ``min_workers``: ``fn(None)``, as Horovod)."""
+        if self._elastic is not None:
+            return self._elastic.execute(fn, callbacks)
         return self._everywhere(fn, callbacks, gather.function_name(fn))
 
     def _everywhere(self, call: Callable[[Any], Any],
@@ -292,7 +319,9 @@ class RayExecutor:
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """Call ``fn(executable)`` on rank 0 only and return its result. Failures as in
-        :meth:`run`."""
+        :meth:`run`. Not with ``min_workers``."""
+        if self._elastic is not None:
+            raise self._elastic.refuse("execute_single()")
         refs = self._submit(fn, [0], None)
         return self._finish(refs, [0], gather.function_name(fn))[0]
 
@@ -322,15 +351,11 @@ class RayExecutor:
         self.shutdown()
 
     def __repr__(self) -> str:
+        if self._elastic is not None:
+            return f"RayExecutor(min_workers={self.num_workers}, elastic)"
         state = ("stopped after a failure" if self._broken else
                  "started" if self._started is not None else "not started")
         return f"RayExecutor(num_workers={self.num_workers}, {state})"
-
-
-_NO_ELASTIC = ("hora.ray: RayExecutor(min_workers=...) (Horovod's elastic RayExecutor) is not "
-               "available in hora; use ElasticRayExecutor(ElasticRayExecutor.create_settings("
-               "min_num_proc=..., max_num_proc=...), cpus_per_slot=...) and its run(fn) "
-               "(docs/ray.md), which runs the same elastic driver as `hora run --min-np`")
 
 
 __all__ = ["RayExecutor"]

@@ -270,5 +270,23 @@ def test_settings_and_arguments_are_checked() -> None:
         ElasticRayExecutor(create(), override_discovery=False)
     with pytest.raises(RuntimeError, match="start"):
         ElasticRayExecutor(create()).run(ray_elastic_jobs.bad_hyperparameter)
-    with pytest.raises(NotImplementedError, match="ElasticRayExecutor"):
-        RayExecutor(RayExecutor.create_settings(), min_workers=1, max_workers=4)
+    elastic = RayExecutor(RayExecutor.create_settings(), min_workers=1, max_workers=4)
+    with pytest.raises(NotImplementedError, match="executable_cls is not available"):
+        elastic.start(executable_cls=dict)
+    with pytest.raises(NotImplementedError, match="run_remote.*ephemeral"):
+        elastic.run_remote(ray_elastic_jobs.bad_hyperparameter)
+
+
+def test_ray_executor_with_min_workers_runs_an_elastic_job(cluster: Any, tmp_path: Path) -> None:
+    # Horovod's newer spelling of ElasticRayExecutor: RayExecutor(settings, min_workers=...)
+    from hora.ray import RayExecutor
+
+    stop = tmp_path / "stop"
+    stop.touch()  # trains 5 steps, then every rank sees the file at the first commit
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=30), min_workers=1,
+                           max_workers=2, cpus_per_worker=1)
+    executor.start(extra_env_vars=WORKER_ENV)
+    results = executor.run(ray_elastic_jobs.numpy_train_until_stopped, args=[str(stop)],
+                           kwargs={"step_delay": 0.0})
+    executor.shutdown()
+    assert results == [{"rank": 0, "size": 1, "wid": 0, "step": 5, "total": 5.0}]

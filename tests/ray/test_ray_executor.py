@@ -132,8 +132,6 @@ def test_argument_checks() -> None:
         RayExecutor(settings, max_workers=4)
     with pytest.raises(ValueError, match="not both"):
         RayExecutor(settings, num_workers=2, min_workers=1)
-    with pytest.raises(NotImplementedError, match="use ElasticRayExecutor"):
-        RayExecutor(settings, min_workers=1, max_workers=4)
     with pytest.raises(ValueError, match="timeout"):
         RayExecutor.create_settings(timeout_s=0)
     executor = RayExecutor(settings, num_workers=2)
