@@ -257,29 +257,47 @@ class GroupHandle(Handle):
                 return driver  # (one lane per set: any member's driver is the set's)
         return None
 
-    def _member_done(self, _member: Handle) -> None:
+    def _member_done(self, member: Handle) -> None:
+        moved: list[tuple[Callable[[Handle, bool], None], Handle, bool]] = []
         with self._count_lock:
             self._remaining -= 1
             last = self._remaining == 0
+            if not last and self._reported and self._reported[-1][1] is member:
+                # a wait goes on: from now it is a wait on the next unfinished member
+                member_watch, _ = self._reported.pop()
+                moved.append((member_watch, member, False))
+                following = self._first_unfinished()
+                if following is not None:
+                    self._reported.append(following)
+                    moved.append((*following, True))
+        for watch, m, blocked in moved:
+            watch(m, blocked)
         if last:
             try:
                 self.set_result([m.wait(0) for m in self._members])
             except BaseException as exc:  # noqa: BLE001 - propagate the first failure
                 self.set_error(exc)
 
+    def _first_unfinished(self) -> tuple[Callable[[Handle, bool], None], Handle] | None:
+        for m in self._members:
+            member_watch = m.watch
+            if not m.done() and member_watch is not None:
+                return member_watch, m
+        return None
+
     def _watch_members(self, _group: Handle, blocked: bool) -> None:
-        """A wait on the group is a wait on its first unfinished member; the member's own
-        watch is kept, since a finished member's handle drops it."""
-        if blocked:
-            for m in self._members:
-                member_watch = m.watch
-                if not m.done() and member_watch is not None:
-                    self._reported.append((member_watch, m))
-                    member_watch(m, True)
-                    return
-        elif self._reported:
-            member_watch, member = self._reported.pop()
-            member_watch(member, False)
+        """A wait on the group is a wait on its first unfinished member (and on the next one
+        when that member completes first); the member's own watch is kept, since a finished
+        member's handle drops it."""
+        with self._count_lock:
+            if blocked:
+                report = self._first_unfinished()
+                if report is not None:
+                    self._reported.append(report)
+            else:
+                report = self._reported.pop() if self._reported else None
+        if report is not None:
+            report[0](report[1], blocked)
 
 
 def join_handles(name: str, members: list[Handle]) -> Handle:

@@ -12,8 +12,11 @@ decides one of
   fusion threshold and the route's capacity in bytes), or as one allgather per position (each
   result must fit in shared memory: first dimensions are read from the boards); an allreduce
   unit larger than one fused op is split, in order;
-* ``DIVERGED k``: the members disagree at ``p + k - 1`` (and agreed before it, inside the unit),
-  or an allgather's result does not fit: each hands its ops there to the negotiated path;
+* ``DIVERGED k``: the members disagree at ``p`` or inside the unit (different ops, units of
+  different lengths, a miss), or an allgather's result does not fit: each hands its ops at
+  ``p .. p+k-1`` to the negotiated path, up to the first position where every member's unit
+  has ended, so a unit goes whole to one path or the other (the coordinator then fails or runs
+  each group's members together);
 * ``OFF``: a member closed its log at ``p``, or a position waited
   ``HOROVOD_STALL_CHECK_TIME_SECONDS`` for a member: everything from ``p`` on is negotiated.
 
@@ -31,6 +34,7 @@ from hora.core.messages import OpKind
 from hora.core.routing import Route
 from hora.transports.shm_board import (
     CLOSED,
+    DIFFERENT,
     DIVERGED,
     FAST,
     GROUPED,
@@ -85,6 +89,10 @@ class Leader:
         while made < room:
             p = self._decided
             status, at, unit = self._unit(p, slots)
+            if status == DIFFERENT:  # negotiated up to where every member's unit ends
+                aligned, end = self._aligned(at)
+                if not aligned:
+                    status, at = UNWRITTEN, end
             if status == CLOSED or (status == UNWRITTEN and self._stalled(at)):
                 self._publish(OFF, 0)
                 made += 1
@@ -93,9 +101,9 @@ class Leader:
                 break
             self._undecided_since = None
             made += 1
-            if status != AGREED:  # DIFFERENT at ``at``: that far, the ops are negotiated
-                self._publish(DIVERGED, at - p + 1)
-                self._decided = at + 1
+            if status == DIFFERENT:
+                self._publish(DIVERGED, end - p)
+                self._decided = end
             elif unit[0].kind is OpKind.ALLGATHER:
                 fits = all(self._cache.allgather_fits(slot, boards.rows(p + i))
                            for i, slot in enumerate(unit))
@@ -140,6 +148,20 @@ class Leader:
             x += 1
             if not value & GROUPED:
                 return AGREED, x, unit
+
+    def _aligned(self, x: int) -> tuple[bool, int]:
+        """The members disagree at ``x``: ``(True, e)`` with ``e`` the first position after it
+        where every member's unit has ended (so that no unit is split between the lane and the
+        negotiated path), or ``(False, q)`` while some member has not logged position ``q``
+        that this needs."""
+        ends = self._boards.ends
+        while True:
+            state = ends(x)
+            if UNWRITTEN in state:
+                return False, x
+            x += 1
+            if not any(state):
+                return True, x
 
     def _fused(self, unit: list[Slot]) -> tuple[int, int]:
         """How many of ``unit``'s first slots fuse into one allreduce, and their bytes."""

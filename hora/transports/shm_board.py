@@ -175,6 +175,23 @@ class LaneBoards:
             return result
         return DIFFERENT if common == MISS or common & SLOT_MASK >= slots else common
 
+    def ends(self, p: int) -> list[int]:
+        """Per member, what its log holds at position ``p``: 1 if a unit's entry that another
+        follows (:data:`GROUPED`), 0 if the last entry of a unit (a single op, a miss) or if
+        the log was closed at or before ``p``, :data:`UNWRITTEN` if not written yet."""
+        index = LOG + p % LOG_CAPACITY
+        out = []
+        for b in self._boards:
+            off = b[OFF_AT]
+            if off and reached(p, off - 1):
+                out.append(0)
+            elif not reached(b[COUNT], p + 1):
+                out.append(UNWRITTEN)
+            else:
+                value = b[index]
+                out.append(1 if value & GROUPED and value != MISS else 0)
+        return out
+
     def rows(self, p: int) -> list[int]:
         """Every member's argument word at position ``p`` (an allgather's first dimension), in
         group rank order; valid while no member has consumed ``p``."""
