@@ -54,9 +54,9 @@ class _LogConsole(Console):
     def say(self, message: str) -> None:
         for line in message.splitlines():
             if "error:" in line:
-                log.warning("hora.ray: %s", line)
+                log.warning("hora.ray %s", line)
             else:
-                log.info("hora.ray: %s", line)
+                log.info("hora.ray %s", line)
 
 
 class ElasticRayExecutor:

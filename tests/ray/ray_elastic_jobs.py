@@ -1,7 +1,7 @@
 """Functions the ElasticRayExecutor tests run on the workers (sent by value: the workers cannot
 import this directory). Heavy imports happen inside them, on the workers.
 
-Each worker sends ``{"event": "started", "wid", "pid"}`` to the driver's callbacks when it
+Each worker sends ``{"event": "started", "wid", "pid", "node"}`` to the driver's callbacks when it
 starts, and rank 0 sends ``{"step", "size"}`` at every commit: the tests follow the job (and
 decide when to kill a worker or change the cluster) through these values. Training stops when
 the file ``stop_file`` exists: rank 0 looks at each commit and broadcasts what it saw, so every
@@ -13,6 +13,16 @@ from __future__ import annotations
 import os
 import time
 from typing import Any
+
+
+def started(wid: int) -> None:
+    """Tell the driver's callbacks that worker ``wid`` started: its pid and Ray node."""
+    import ray
+
+    from hora.ray import ray_logger
+
+    ray_logger.log({"event": "started", "wid": wid, "pid": os.getpid(),
+                    "node": ray.get_runtime_context().get_node_id()}, chief_only=False)
 
 
 def torch_train_until_stopped(stop_file: str, step_delay: float = 0.05,
@@ -32,7 +42,7 @@ def torch_train_until_stopped(stop_file: str, step_delay: float = 0.05,
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     hvd.init()
     wid = int(os.environ["HORA_ELASTIC_WORKER_ID"])
-    ray_logger.log({"event": "started", "wid": wid, "pid": os.getpid()}, chief_only=False)
+    started(wid)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     state = hvd.elastic.TorchState(model, optimizer, step=0, stop=False)
     truth = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
@@ -70,7 +80,7 @@ def numpy_train_until_stopped(stop_file: str, step_delay: float = 0.05,
 
     hora.init()
     wid = int(os.environ["HORA_ELASTIC_WORKER_ID"])
-    ray_logger.log({"event": "started", "wid": wid, "pid": os.getpid()}, chief_only=False)
+    started(wid)
     state = elastic.ObjectState(hora.broadcast_object, hora.rank, step=0, total=0.0,
                                 stop=False)
 

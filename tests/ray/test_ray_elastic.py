@@ -75,9 +75,13 @@ class Journal:
         """``(step, size)`` of every commit rank 0 logged."""
         return [(v["step"], v["size"]) for v in self.values if "step" in v]
 
-    def started(self) -> dict[int, int]:
-        """worker id -> pid of every worker that started."""
-        return {v["wid"]: v["pid"] for v in self.values if v.get("event") == "started"}
+    def started(self) -> dict[int, dict[str, Any]]:
+        """worker id -> ``{"pid", "node"}`` of every worker that started."""
+        return {v["wid"]: v for v in self.values if v.get("event") == "started"}
+
+    def on_node(self, node_id: str) -> list[int]:
+        """The ids of the workers that started on Ray node ``node_id``."""
+        return sorted(w for w, v in self.started().items() if v["node"] == node_id)
 
 
 def add_node(cluster: Any) -> Any:
@@ -163,10 +167,11 @@ class Background:
 
 def test_training_survives_a_killed_worker_a_new_node_and_a_removed_node(
         cluster: Any, tmp_path: Path) -> None:
-    # head + node B: 2 workers (min 2, max 3). Worker 1 (on B) is SIGKILLed at step >= 10: a
-    # replacement (worker 2) starts on B's freed slot and joins; node C is added: worker 3
-    # starts there and joins at a commit (size 3); node B is removed: worker 2 dies with it
-    # and workers 0 and 3 train on (size 2) until the test stops them.
+    # head + node B: workers 0 and 1, one on each (min 2, max 3). The one on B is SIGKILLed
+    # at step >= 10: a replacement (worker 2) starts on B's freed slot and joins; node C is
+    # added: worker 3 starts there and joins at a commit (size 3); node B is removed: worker 2
+    # dies with it, and the head's worker and worker 3 train on (size 2) until the test stops
+    # them.
     stop = tmp_path / "stop"
     journal = Journal()
     node_b = add_node(cluster)
@@ -176,7 +181,8 @@ def test_training_survives_a_killed_worker_a_new_node_and_a_removed_node(
                          lambda: ray_elastic_jobs.torch_train_until_stopped(str(stop)), journal)
         if journal.wait("step 10 with 2 workers",
                         lambda vs: any(v.get("step", 0) >= 10 for v in vs)):
-            os.kill(journal.started()[1], signal.SIGKILL)
+            os.kill(journal.started()[journal.on_node(node_b.node_id)[0]]["pid"],
+                    signal.SIGKILL)
         if journal.wait("the replacement (worker 2) to start", lambda vs: 2 in journal.started()):
             joined = len(journal.values)
             if journal.wait("worker 2 to train", lambda vs: any("step" in v for v in vs[joined:])):
@@ -195,11 +201,14 @@ def test_training_survives_a_killed_worker_a_new_node_and_a_removed_node(
             remove_node(cluster, node)
     assert not journal.errors, (journal.errors, journal.steps())
     assert sorted(journal.started()) == [0, 1, 2, 3]
+    on_b, on_c = journal.on_node(node_b.node_id), journal.on_node(nodes[1].node_id)
+    assert len(on_b) == 2 and on_b[1] == 2 and on_c == [3], journal.started()
+    head_worker = ({0, 1} - set(on_b)).pop()
     sizes = [size for _, size in journal.steps()]
     assert sizes[0] == 2 and 3 in sizes and sizes[-1] == 2, journal.steps()
-    # the final generation: worker 0 (oldest, rank 0) and worker 3, in rank order
+    # the final generation: the head's worker (the oldest: rank 0) and worker 3, in rank order
     assert [r["rank"] for r in results] == [0, 1]
-    assert [r["wid"] for r in results] == [0, 3]
+    assert [r["wid"] for r in results] == [head_worker, 3]
     assert {r["size"] for r in results} == {2}
     assert results[0]["step"] == results[1]["step"] >= journal.steps()[-1][0]
     assert results[0]["params"] == results[1]["params"]  # identical state on every rank
