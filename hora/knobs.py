@@ -73,18 +73,6 @@ _NO_TORUS = (
     "host, then across hosts): HOROVOD_HIERARCHICAL_ALLREDUCE=1 or hora run "
     "--hierarchical-allreduce (automatic when a process set spans hosts with several ranks on "
     "a host).")
-_TUNE_BY_HAND = (
-    "Tune by hand: time a few steps (benchmarks/train_step.py, or your own) with a few values "
-    "of the fusion threshold (HOROVOD_FUSION_THRESHOLD in bytes, --fusion-threshold-mb) and the "
-    "cycle time (HOROVOD_CYCLE_TIME, --cycle-time-ms), e.g. `HOROVOD_FUSION_THRESHOLD=33554432 "
-    "HOROVOD_CYCLE_TIME=1 python benchmarks/train_step.py`; keep the fastest (defaults: 128 MB, "
-    "0 ms).")
-_NO_AUTOTUNE = ("hora does not support autotune yet: the autotuner (Bayesian optimisation of "
-                "the fusion threshold and cycle time from measured throughput) is not built. "
-                + _TUNE_BY_HAND)
-_NO_AUTOTUNE_PART = ("hora does not support autotune yet (the autotuner is not built), and this "
-                     "setting only matters with autotune (HOROVOD_AUTOTUNE=1, hora run "
-                     "--autotune), so only its default is accepted. " + _TUNE_BY_HAND)
 _NO_NCCL_STREAMS = (
     "hora does not support NCCL streams: it has no NCCL (its collectives run on the CPU; CUDA "
     "tensors are copied to host memory for them). Where GPU bandwidth matters, use NCCL "
@@ -217,18 +205,24 @@ KNOBS: tuple[Knob, ...] = (
     _k("torus_allreduce", bool, False, "--torus-allreduce",
        "Horovod's 2-D torus allreduce of GPU tensors over NCCL.", unsupported=_NO_TORUS),
     _k("autotune", bool, False, "--autotune",
-       "Horovod's autotuner of the fusion threshold and cycle time.", unsupported=_NO_AUTOTUNE),
-    _k("autotune_log", str, "", "--autotune-log-file", "Autotune: CSV log file.",
-       unsupported=_NO_AUTOTUNE_PART),
+       "Tune the fusion threshold and cycle time (and, for jobs across hosts, hierarchical "
+       "allreduce and allgather) while training: rank 0 scores each setting by the bytes "
+       "reduced per second and picks the next by Bayesian optimisation, then keeps the best "
+       "(docs/autotune.md). Tunables set explicitly stay fixed."),
+    _k("autotune_log", str, "", "--autotune-log-file",
+       "Autotune: CSV file written by rank 0 in Horovod's columns, one row per sample, the "
+       "best setting last."),
     _k("autotune_warmup_samples", int, 3, "--autotune-warmup-samples",
-       "Autotune: samples discarded at the start.", unsupported=_NO_AUTOTUNE_PART),
+       "Autotune: samples discarded at the start."),
     _k("autotune_steps_per_sample", int, 10, "--autotune-steps-per-sample",
-       "Autotune: steps per sample.", unsupported=_NO_AUTOTUNE_PART),
+       "Autotune: a sample's window closes when some tensor was reduced this many more times; "
+       "a sample's score is the median of 5 windows.", minimum=1),
     _k("autotune_bayes_opt_max_samples", int, 20, "--autotune-bayes-opt-max-samples",
-       "Autotune: Bayesian optimisation samples.", unsupported=_NO_AUTOTUNE_PART),
+       "Autotune: settings of fusion threshold and cycle time measured (the starting one and 4 "
+       "probes first, then points proposed by Bayesian optimisation).", minimum=1),
     _k("autotune_gaussian_process_noise", float, 0.8, "--autotune-gaussian-process-noise",
-       "Autotune: Gaussian process noise, in [0, 1].", maximum=1.0,
-       unsupported=_NO_AUTOTUNE_PART),
+       "Autotune: the Gaussian process's noise level, in [0, 1], relative to the spread of the "
+       "scores (0: every measurement is exact).", maximum=1.0),
     _k("num_nccl_streams", int, 1, "--num-nccl-streams", "Horovod: NCCL streams per GPU.",
        unsupported=_NO_NCCL_STREAMS),
     _k("controller", str, "gloo", None,

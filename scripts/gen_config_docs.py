@@ -17,14 +17,14 @@ the identity, build and GPU-library variables Horovod defines) gets a warning fr
 the closest known name: Horovod ignores unknown names, so hora does not refuse them.
 
 Every knob has an effect, or is refused. A Horovod knob whose effect hora does not have (the
-torus allreduce, autotune, NCCL streams, the MPI controller, MPI or oneCCL CPU operations) accepts
+torus allreduce, NCCL streams, the MPI controller, MPI or oneCCL CPU operations) accepts
 only the value that matches what hora does: unset, or its default (`gloo` for
 `HOROVOD_CONTROLLER` and `HOROVOD_CPU_OPERATIONS`, which `hora run` sets for every rank, as
 horovodrun does). Any other value, whether from the environment, a `hora run` flag or a
 `--config-file`, is refused (by `hora run` before anything starts, by `init()` otherwise) with
-the reason and what to use instead; the last column gives both. Autotune is not built yet: until
-it is, `HOROVOD_AUTOTUNE=1` is refused, and so is any `HOROVOD_AUTOTUNE_*` setting away from its
-default, since those only matter with autotune on. `HOROVOD_MPI_THREADS_DISABLE` accepts 0 and
+the reason and what to use instead; the last column gives both. `HOROVOD_AUTOTUNE=1` tunes the
+fusion threshold and cycle time while training ([autotune.md](autotune.md)); the
+`HOROVOD_AUTOTUNE_*` settings only matter with it on. `HOROVOD_MPI_THREADS_DISABLE` accepts 0 and
 1: hora never initialises MPI, so neither thread level is requested, as in Horovod's gloo mode.
 `hora check` lists the refused settings.
 

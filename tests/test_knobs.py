@@ -1,7 +1,7 @@
 """Every knob of the table has an effect, or is refused (docs/config.md).
 
-* Refused: a Horovod knob whose effect hora does not have (torus, autotune and its family, NCCL
-  streams, the MPI controller, MPI/oneCCL CPU operations) accepts the values that match what
+* Refused: a Horovod knob whose effect hora does not have (torus, NCCL streams, the MPI
+  controller, MPI/oneCCL CPU operations) accepts the values that match what
   hora does, silently, and refuses any other, from the environment, a ``hora run`` flag, a
   config file or ``init()``, with a message that says why and what to use instead.
 * Built here: ``HOROVOD_THREAD_AFFINITY`` (the engine's threads pinned, read back from
@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import re
@@ -37,22 +38,12 @@ REFUSED = [k for k in KNOBS if k.unsupported]
 
 # A value of each refused knob that asks for the effect hora does not have.
 REFUSED_VALUE: dict[str, str] = {
-    "torus_allreduce": "1", "autotune": "1", "autotune_log": "/tmp/autotune.csv",
-    "autotune_warmup_samples": "5", "autotune_steps_per_sample": "20",
-    "autotune_bayes_opt_max_samples": "40", "autotune_gaussian_process_noise": "0.5",
-    "num_nccl_streams": "2", "controller": "mpi", "cpu_operations": "ccl",
+    "torus_allreduce": "1", "num_nccl_streams": "2", "controller": "mpi", "cpu_operations": "ccl",
 }
 
 # What each refusal must say besides "hora does not support": why, and what to use instead.
 REASON: dict[str, str] = {
     "torus_allreduce": r"NCCL.*HOROVOD_HIERARCHICAL_ALLREDUCE=1",
-    "autotune": r"autotuner .* is not built\. Tune by hand: .*benchmarks/train_step\.py.*"
-                r"HOROVOD_FUSION_THRESHOLD.*HOROVOD_CYCLE_TIME",
-    "autotune_log": r"only matters with autotune \(HOROVOD_AUTOTUNE=1.*Tune by hand",
-    "autotune_warmup_samples": r"only matters with autotune.*Tune by hand",
-    "autotune_steps_per_sample": r"only matters with autotune.*Tune by hand",
-    "autotune_bayes_opt_max_samples": r"only matters with autotune.*Tune by hand",
-    "autotune_gaussian_process_noise": r"only matters with autotune.*Tune by hand",
     "num_nccl_streams": r"no NCCL.*torch\.distributed",
     "controller": r"MPI controller.*HOROVOD_CONTROLLER=gloo",
     "cpu_operations": r"oneCCL.*HOROVOD_CPU_OPERATIONS=mpi.*mpi data plane.*HORA_DATA_PLANE",
@@ -148,10 +139,10 @@ def test_hora_run_refuses_the_flag_before_starting_anything(
 
 def test_hora_run_refuses_a_refused_value_in_its_environment(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOROVOD_AUTOTUNE", "1")
+    monkeypatch.setenv("HOROVOD_NUM_NCCL_STREAMS", "2")
     rc, err = _run_cli(capsys, "run", "-np", "2", "true")
-    assert rc == 2 and "HOROVOD_AUTOTUNE='1': hora does not support autotune yet" in err
-    monkeypatch.delenv("HOROVOD_AUTOTUNE")
+    assert rc == 2 and "HOROVOD_NUM_NCCL_STREAMS='2': hora does not support NCCL streams" in err
+    monkeypatch.delenv("HOROVOD_NUM_NCCL_STREAMS")
     rc, err = _run_cli(capsys, "run", "-np", "1", "-x", "HOROVOD_TORUS_ALLREDUCE=1", "true")
     assert rc == 2 and "HOROVOD_TORUS_ALLREDUCE='1': hora does not support the torus" in err
 
@@ -159,10 +150,6 @@ def test_hora_run_refuses_a_refused_value_in_its_environment(
 @pytest.mark.parametrize(("data", "words"), [
     ({"params": {"torus_allreduce": True}}, "cfg.yaml: params.torus_allreduce='1': hora does "
                                             "not support the torus allreduce"),
-    ({"autotune": {"enabled": True}}, "cfg.yaml: autotune.enabled='1': hora does not support "
-                                      "autotune yet"),
-    ({"autotune": {"enabled": False, "warmup_samples": 5}},
-     "cfg.yaml: autotune.warmup_samples='5': hora does not support autotune yet"),
     ({"library_options": {"num_nccl_streams": 4}}, "num_nccl_streams='4': hora does not "
                                                    "support NCCL streams"),
 ])
@@ -206,9 +193,9 @@ def test_help_and_hora_check_say_which_settings_are_refused(
     out = capsys.readouterr().out
     section = out[out.index("Horovod settings:"):].split("\n\n")[0]
     for knob in REFUSED:
-        if not knob.name.startswith("autotune_"):
-            assert f"[ ] {knob.alias}" in section, section
-    assert "HOROVOD_AUTOTUNE_*" in section
+        assert f"[ ] {knob.alias}" in section, section
+    sklearn = importlib.util.find_spec("sklearn") is not None  # autotune needs it
+    assert f"[{'X' if sklearn else ' '}] HOROVOD_AUTOTUNE" in section, section
     pin = hasattr(os, "sched_setaffinity")
     assert f"[{'X' if pin else ' '}] HOROVOD_THREAD_AFFINITY" in section
 

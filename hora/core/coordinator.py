@@ -5,8 +5,9 @@ keeps a table name -> requests; a name is *ready* when every member of its proce
 submitted it (or has joined). Ready requests are validated (dtype, shape, op, root, scale factors
 must agree; otherwise one ERROR response with the same text for every rank), turned into
 :class:`~hora.core.messages.Response` objects, and small allreduces are fused up to the fusion
-threshold. One coordinator serves every process set, so all ranks see responses in one total
-order and can never execute two sets' collectives in different orders.
+threshold (:mod:`hora.core.fusion`; autotune may change it and the cycle time while the job
+runs, :meth:`Coordinator.retune`). One coordinator serves every process set, so all ranks see
+responses in one total order and can never execute two sets' collectives in different orders.
 
 The stall inspector lives here too: it names tensors that some ranks submitted and others did not.
 The deadlock detector (:mod:`hora.core.deadlock`) reads the same table.
@@ -18,10 +19,11 @@ import time
 from dataclasses import dataclass, field
 
 from hora._util.log import get_logger
-from hora.collectives.ops import ReduceOp, to_dtype
+from hora.collectives.ops import ReduceOp
 from hora.config import Config
-from hora.core.agreement import fusable, fusion_key, request_signature
+from hora.core.agreement import request_signature
 from hora.core.deadlock import DeadlockDetector
+from hora.core.fusion import fuse
 from hora.core.messages import (
     ERROR_MISMATCH,
     ERROR_SHUTDOWN,
@@ -157,6 +159,11 @@ class Coordinator:
             if self._hold_until is None:
                 self._hold_until = time.monotonic() + self._config.cycle_time / 1000.0
 
+    def retune(self, config: Config) -> None:
+        """Autotune: fuse and hold responses by ``config``'s fusion threshold and cycle time
+        from now on (:mod:`hora.core.autotune`)."""
+        self._config = config
+
     def next_deadline(self) -> float | None:
         """When held responses become due (``HORA_CYCLE_TIME`` > 0), as ``time.monotonic()``."""
         return self._hold_until if self._ready_keys else None
@@ -190,7 +197,7 @@ class Coordinator:
                 continue
             self._order.remove(key)
             out.append(self._respond(key[1], key[0], members, entry, entry.joined))
-        return _fuse(out, self._config) + joins
+        return fuse(out, self._config.fusion_threshold) + joins
 
     def _respond(self, name: str, set_id: int, members: list[int], entry: _Pending,
                  joined: list[int]) -> Response:
@@ -333,8 +340,6 @@ class Coordinator:
         return [name for _, name in self._order]
 
 
-
-
 def _error(req: Request, message: str, code: int = ERROR_MISMATCH) -> Response:
     return Response(kind=OpKind.ERROR, names=[req.name], set_id=req.set_id, error=message,
                     value=code)
@@ -416,35 +421,3 @@ def _validate(name: str, reqs: list[Request]) -> str:
                         f"with dimension {dim} equal to a different value, for tensor '{name}': "
                         f"{per}. HINT: only the first dimension may differ across ranks.")
     return ""
-
-
-def _fuse(responses: list[Response], config: Config) -> list[Response]:
-    """Merge allreduce responses that agree on set/dtype/op/scales, up to the fusion threshold."""
-    limit = config.fusion_threshold
-    if limit <= 0:
-        return responses
-    out: list[Response] = []
-    open_: dict[tuple[object, ...], tuple[Response, int]] = {}
-    for resp in responses:
-        if not fusable(resp):
-            out.append(resp)
-            continue
-        nbytes = _nelems(resp.shapes[0]) * to_dtype(resp.dtype).itemsize
-        key = fusion_key(resp)
-        current = open_.get(key)
-        if current is not None and current[1] + nbytes <= limit:
-            fused, size = current
-            fused.names.extend(resp.names)
-            fused.shapes.extend(resp.shapes)
-            open_[key] = (fused, size + nbytes)
-            continue
-        out.append(resp)
-        open_[key] = (resp, nbytes)
-    return out
-
-
-def _nelems(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

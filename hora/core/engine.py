@@ -29,6 +29,7 @@ from collections import deque
 from hora._util.log import get_logger
 from hora.config import Config
 from hora.core import affinity, trace
+from hora.core.autotune import Tuning
 from hora.core.coordinator import Coordinator
 from hora.core.deadlock import WaitReports
 from hora.core.entry import Entry
@@ -44,6 +45,7 @@ from hora.core.messages import (
     MSG_BYE,
     MSG_HEARTBEAT,
     MSG_LANE_OFF,
+    MSG_PARAMS,
     MSG_REQUESTS,
     MSG_RESPONSES,
     MSG_SHUTDOWN,
@@ -101,6 +103,8 @@ class Engine:
         # Control peers must be heard from within heartbeat_timeout_seconds.
         self._liveness = Liveness(transport, config.heartbeat_timeout_seconds)
         self._departed = self._liveness.departed
+        self.tuning = Tuning(config, transport, self._departed, hostnames,  # autotune
+                             (self._coordinator, self._lanes, self._executor))
         self._thread = threading.Thread(target=self._run, name="hora-engine", daemon=True)
         self._cpu_core: int | None = None
 
@@ -269,6 +273,7 @@ class Engine:
                         failed, lanes = coordinator.deadlocks.check(now)
                         self._close_lanes(lanes)
                         self._dispatch(failed)
+                    busy = self.tuning.poll() or busy  # (between batches of responses)
                     busy = self._dispatch(coordinator.ready()) or busy
                 if not busy and not self._stop.is_set():
                     # Nothing to do: sleep until a control message, a submission (wake) or the
@@ -348,6 +353,8 @@ class Engine:
             elif kind == MSG_WAITS and self._coordinator is not None:
                 for blocked, set_id, name, lane in parse_waits(body):
                     self._coordinator.deadlocks.waiting(sender, blocked, set_id, name, lane)
+            elif kind == MSG_PARAMS and self._coordinator is None:
+                self.tuning.receive(body)
             elif kind == MSG_LANE_OFF and self._coordinator is None:
                 lane_set = body.get("set")
                 if isinstance(lane_set, int):

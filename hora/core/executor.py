@@ -69,6 +69,8 @@ class Executor:
         self._routes: dict[int, Route] = {}
         self._fusion = np.empty(0, dtype=np.uint8)
         self._scratch = np.empty(0, dtype=np.uint8)
+        # rank 0 with autotune on: sees each allreduce and allgather it runs (the score)
+        self.observe: Callable[[Response], None] | None = None
         # sees each allreduce and allgather response before it runs (the fast lane learns them)
         self._on_negotiated = on_negotiated
 
@@ -106,6 +108,19 @@ class Executor:
         """Use ``route`` for ``set_id`` (an executor of the fast lane, over its own group)."""
         self._routes[set_id] = route
 
+    def retune(self, config: Config) -> None:
+        """Autotune: build routes by ``config`` from now on. When a hierarchical choice changed,
+        every route without shared memory over its whole set (a set across hosts) is dropped,
+        to be rebuilt at its next collective; every member retunes at the same point of the
+        response order (:mod:`hora.core.autotune`), so all of them rebuild it together."""
+        old, self._config = self._config, config
+        if (old.hierarchical_allreduce, old.hierarchical_allgather) == (
+                config.hierarchical_allreduce, config.hierarchical_allgather):
+            return
+        for set_id, route in list(self._routes.items()):
+            if route.group is None and route.lane_group is None:
+                self.forget_set(set_id)
+
     def route_name(self, set_id: int) -> str | None:
         """The data path a set uses ('shm', 'ring', 'shard', 'leader'), once it has one."""
         route = self._routes.get(set_id)
@@ -139,6 +154,8 @@ class Executor:
             tl.op_end(resp.names[0])
             return
         route = self.route_for(resp.set_id)
+        if self.observe is not None:
+            self.observe(resp)
         if self._on_negotiated is not None and (kind is OpKind.ALLREDUCE
                                                 or kind is OpKind.ALLGATHER):
             self._on_negotiated(route, resp)

@@ -51,6 +51,8 @@ class Lanes:
         self._lock = threading.Lock()  # orders allreduce submissions and lane creation
         self._positions: dict[int, int] = {}  # set -> lane ops submitted (log positions)
         self._joining: set[int] = set()  # sets this rank joined (until every member has)
+        # rank 0 with autotune on: sees every op its lanes run (hora.core.autotune)
+        self.observe: Callable[[Response], None] | None = None
 
     def get(self, set_id: int) -> FastLane | None:
         return self._lanes.get(set_id)
@@ -99,10 +101,19 @@ class Lanes:
         """A lane over ``route.lane_group`` with its own executor (not started)."""
         executor = Executor(self._transport.comm(), self._registry, self._config,
                             hostnames=self._hostnames, job_id=self._job_id)
+        executor.observe = self.observe
         lane = FastLane(set_id, route, self._config, executor, self._requeue, self._failed,
                         start=start)
         lane.on_flush_blocked = lambda blocked: self._watch_flush(set_id, blocked)
         return lane
+
+    def retune(self, config: Config) -> None:
+        """Autotune: every lane's leader fuses up to ``config``'s fusion threshold from its
+        next decision on (one party decides each fusion, so no member needs to switch at the
+        same time as the others); lanes opened later start with it."""
+        self._config = config
+        for lane in list(self._lanes.values()):
+            lane.retune(config.fusion_threshold)
 
     def joined(self, set_id: int, route: Route | None) -> None:
         """Every member joined (each closed its log and flushed it): start a fresh lane.

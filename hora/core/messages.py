@@ -95,6 +95,7 @@ MSG_SHUTDOWN = "shutdown"  # coordinator -> worker: rank 0 shut down
 MSG_HEARTBEAT = "hb"   # either way: I am alive (sent when idle, every heartbeat_timeout / 4)
 MSG_WAITS = "wait"     # worker -> coordinator: {"waits": [[blocked, set, name, lane], ...]}
 MSG_LANE_OFF = "laneoff"  # coordinator -> worker: {"set": id}: close your fast-lane log
+MSG_PARAMS = "params"  # coordinator -> worker: {"params": {...}}: autotuned tunables, apply now
 
 
 _FIELDS: dict[type, tuple[str, ...]] = {

@@ -158,16 +158,18 @@ def _settings() -> list[Probe]:
     """Horovod settings whose effect depends on the platform, or that hora refuses (from the
     knob table, so this cannot drift from what ``init()`` does)."""
     pin = hasattr(os, "sched_setaffinity")
+    sklearn = dist_version("scikit-learn") if importable("sklearn") else None
     rows = [Probe("HOROVOD_THREAD_AFFINITY", pin, "pins the engine's background threads, one "
-                  "core per local rank" if pin else "needs Linux: setting it is refused")]
+                  "core per local rank" if pin else "needs Linux: setting it is refused"),
+            Probe("HOROVOD_AUTOTUNE", sklearn is not None,
+                  f"tunes the fusion threshold and cycle time while training (scikit-learn "
+                  f"{sklearn})" if sklearn is not None else "needs scikit-learn (pip install "
+                  "scikit-learn): without it, asking for autotune fails at init()")]
     for knob in KNOBS:
-        if not knob.unsupported or knob.name.startswith("autotune_"):
-            continue  # autotune_*: one row with autotune
+        if not knob.unsupported:
+            continue
         name = knob.alias or knob.env
         accepted = f"{accepted_text(knob)} accepted"
-        if knob.name == "autotune":
-            name += ", HOROVOD_AUTOTUNE_*"
-            accepted += " (HOROVOD_AUTOTUNE_*: unset or their defaults)"
         reason = knob.unsupported.split(":")[0].split(".")[0]
         rows.append(Probe(name, False, f"{reason}: {accepted}, other values refused"))
     return rows

@@ -1,0 +1,323 @@
+"""The autotuner's search on rank 0: scoring the setting in force, choosing the next, the log.
+
+Half of :mod:`hora.core.autotune` (which applies settings on every rank). Horovod's
+``ParameterManager``, redone over :mod:`hora.core.bayesopt`:
+
+* :class:`Params` is one setting of the tunables: fusion threshold, cycle time, hierarchical
+  allreduce and allgather (and whether tuning goes on);
+* :class:`Sampler` scores the setting in force: bytes allreduced (and allgathered) per
+  microsecond over a *window* that closes when some tensor name has been seen
+  ``steps_per_sample`` more times; the median of :data:`WINDOWS` windows is the setting's score;
+* :class:`Search` turns scores into the next setting: the first ``warmup_samples`` scores are
+  discarded; then the fusion threshold and cycle time are tuned jointly (the starting setting
+  and four probes first, then points proposed by Bayesian optimisation) for
+  ``bayes_opt_max_samples`` samples; then each applicable on/off choice (hierarchical allreduce,
+  then hierarchical allgather, for jobs spanning hosts with several ranks on a host) is tried
+  the other way round with the best setting so far. The best-scored setting wins. A tunable the
+  user set explicitly is fixed and left out of the search;
+* :class:`CsvLog` writes ``HOROVOD_AUTOTUNE_LOG`` in Horovod's columns.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TextIO
+
+from hora._util.log import get_logger
+from hora.config import Config
+from hora.core.bayesopt import BayesianOptimizer
+from hora.errors import ConfigError, ProtocolError
+from hora.knobs import MiB
+
+log = get_logger(__name__)
+
+WINDOWS = 5
+"""Windows per sample; their median is the sample's score (Horovod's)."""
+
+FUSION_MB = (0.0, 64.0)
+"""Range searched for the fusion threshold, in MB (Horovod's)."""
+
+CYCLE_MS = (0.0, 20.0)
+"""Range searched for the cycle time, in ms. Horovod searches 1-100 ms of its polling period;
+hora's cycle time is how long a ready tensor is held for others to join it (0: not at all), so
+its useful range starts at 0 and ends far lower."""
+
+PROBES: tuple[tuple[float, float], ...] = ((4.0, 1.0), (32.0, 10.0), (16.0, 5.0), (8.0, 2.0))
+"""(fusion MB, cycle ms) measured after the starting setting, before the optimiser proposes:
+Horovod's four probes, their cycle times scaled into :data:`CYCLE_MS`."""
+
+TUNABLES = ("fusion_threshold", "cycle_time", "hierarchical_allreduce", "hierarchical_allgather")
+"""The knobs autotune may change (unless the user set them explicitly)."""
+
+HEADER = ("hierarchical_allreduce,hierarchical_allgather,torus_allreduce,cache_enabled,"
+          "cycle_time_ms,tensor_fusion_threshold,score")
+"""Horovod's autotune log columns (the threshold in MB; the score in bytes per microsecond)."""
+
+
+@dataclass(frozen=True)
+class Params:
+    """One setting of the tunables, as broadcast by rank 0.
+
+    Attributes:
+        fusion_threshold: bytes.
+        cycle_time: milliseconds.
+        hierarchical_allreduce: None is automatic (:mod:`hora.core.routing`).
+        hierarchical_allgather: on or off.
+        active: True while tuning goes on; False for the final (best) setting.
+    """
+
+    fusion_threshold: int
+    cycle_time: float
+    hierarchical_allreduce: bool | None
+    hierarchical_allgather: bool
+    active: bool = True
+
+    @classmethod
+    def of(cls, config: Config, *, active: bool = True) -> Params:
+        return cls(config.fusion_threshold, config.cycle_time, config.hierarchical_allreduce,
+                   config.hierarchical_allgather, active)
+
+    def configure(self, config: Config) -> Config:
+        """``config`` with this setting's tunables."""
+        return config.replace(fusion_threshold=self.fusion_threshold, cycle_time=self.cycle_time,
+                              hierarchical_allreduce=self.hierarchical_allreduce,
+                              hierarchical_allgather=self.hierarchical_allgather)
+
+    def same_setting(self, other: Params) -> bool:
+        """Whether both set the tunables alike (``active`` aside)."""
+        return replace(self, active=other.active) == other
+
+    def describe(self) -> str:
+        hier = {None: "auto", True: "on", False: "off"}
+        return (f"fusion threshold {self.fusion_threshold / MiB:.2f} MB, cycle time "
+                f"{self.cycle_time:.3f} ms, hierarchical allreduce "
+                f"{hier[self.hierarchical_allreduce]}, hierarchical allgather "
+                f"{hier[self.hierarchical_allgather]}")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"fusion": self.fusion_threshold, "cycle": self.cycle_time,
+                "hier_allreduce": self.hierarchical_allreduce,
+                "hier_allgather": self.hierarchical_allgather, "active": self.active}
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> Params:
+        """Parse :meth:`to_wire`'s form, type-checked.
+
+        Raises:
+            ProtocolError: malformed.
+        """
+        try:
+            fusion, cycle = raw["fusion"], raw["cycle"]
+            hier_ar, hier_ag, active = raw["hier_allreduce"], raw["hier_allgather"], raw["active"]
+        except (TypeError, KeyError) as exc:
+            raise ProtocolError(f"malformed autotune parameters: missing {exc}") from None
+        if not (isinstance(fusion, int) and not isinstance(fusion, bool) and fusion >= 0
+                and isinstance(cycle, (int, float)) and not isinstance(cycle, bool)
+                and math.isfinite(cycle) and cycle >= 0
+                and (hier_ar is None or isinstance(hier_ar, bool))
+                and isinstance(hier_ag, bool) and isinstance(active, bool)):
+            raise ProtocolError(f"malformed autotune parameters: {raw!r}")
+        return cls(fusion, float(cycle), hier_ar, hier_ag, active)
+
+
+def fixed_by_user(env: Any) -> frozenset[str]:
+    """The tunables set explicitly in ``env`` (``HORA_*`` or ``HOROVOD_*``): autotune keeps them."""
+    from hora.knobs import KNOBS_BY_NAME
+
+    return frozenset(name for name in TUNABLES
+                     if any(var in env for var in (KNOBS_BY_NAME[name].env,
+                                                   KNOBS_BY_NAME[name].alias) if var))
+
+
+class Sampler:
+    """Scores the setting in force from the collectives rank 0 runs (Horovod's ``Update``)."""
+
+    def __init__(self, steps_per_sample: int) -> None:
+        self._steps = max(1, steps_per_sample)
+        self._counts: dict[str, int] = {}
+        self._window = WINDOWS  # nothing is counted before the first reset
+        self._bytes = 0
+        self._start = 0.0
+        self._scores: list[float] = []
+
+    def reset(self, now: float) -> None:
+        """Start a new sample at ``now`` (seconds)."""
+        self._counts.clear()
+        self._window = 0
+        self._bytes = 0
+        self._start = now
+        self._scores = []
+
+    def add(self, names: Sequence[str], nbytes: int, now: float) -> float | None:
+        """Count a collective of ``nbytes`` over tensors ``names`` at ``now``; the sample's score
+        (median bytes per microsecond of its windows) when this closes its last window, else
+        None (also for anything counted after that, until :meth:`reset`)."""
+        if self._window >= WINDOWS:
+            return None
+        limit = (self._window + 1) * self._steps
+        for name in names:
+            seen = self._counts.get(name, 0)
+            self._counts[name] = seen + 1
+            if seen >= limit:
+                elapsed_us = max(now - self._start, 1e-6) * 1e6
+                self._scores.append(self._bytes / elapsed_us)
+                self._bytes = 0
+                self._start = now
+                self._window += 1
+                break
+        self._bytes += nbytes
+        if self._window >= WINDOWS:
+            return statistics.median(self._scores)
+        return None
+
+
+class CsvLog:
+    """``HOROVOD_AUTOTUNE_LOG``: Horovod's columns, one row per scored sample, then the best.
+
+    Raises:
+        ConfigError: the file cannot be written (on creation).
+    """
+
+    def __init__(self, path: str, auto_hierarchical: bool, cache_enabled: bool) -> None:
+        self._auto = auto_hierarchical
+        self._cache = int(cache_enabled)  # (not tuned by hora: the fast lane stays as set)
+        try:
+            self._file: TextIO = open(path, "w", encoding="utf-8")  # noqa: SIM115 (kept open)
+            self._file.write(HEADER + "\n")
+            self._file.flush()
+        except OSError as exc:
+            raise ConfigError(f"HOROVOD_AUTOTUNE_LOG={path!r}: cannot write the autotune log "
+                              f"there: {exc}") from None
+
+    def row(self, params: Params, score: float) -> None:
+        hier = (self._auto if params.hierarchical_allreduce is None
+                else params.hierarchical_allreduce)
+        self._file.write(f"{int(hier)},{int(params.hierarchical_allgather)},0,{self._cache},"
+                         f"{params.cycle_time:g},{params.fusion_threshold / MiB:g},"
+                         f"{score:.6g}\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class Search:
+    """Rank 0's choice of settings (see the module docstring).
+
+    Args:
+        start: the setting the job started with (the first one measured).
+        fixed: tunables the user set explicitly (not searched).
+        categorical: the on/off tunables that apply to this job (``hierarchical_allreduce``,
+            ``hierarchical_allgather``), each tried the other way round after the joint search.
+        auto_hierarchical: what an automatic hierarchical allreduce amounts to in this job.
+        warmup: scores discarded first.
+        max_samples: settings measured by the joint search.
+        noise: the Gaussian process's noise level.
+        seed: the optimiser's seed.
+    """
+
+    def __init__(self, start: Params, *, fixed: frozenset[str], categorical: Sequence[str],
+                 auto_hierarchical: bool, warmup: int, max_samples: int, noise: float,
+                 seed: int = 0) -> None:
+        self._fixed_mb = start.fusion_threshold / MiB if "fusion_threshold" in fixed else None
+        self._fixed_ms = start.cycle_time if "cycle_time" in fixed else None
+        self._free = [i for i, f in enumerate((self._fixed_mb, self._fixed_ms)) if f is None]
+        first = (min(start.fusion_threshold / MiB, FUSION_MB[1]),
+                 min(start.cycle_time, CYCLE_MS[1]))
+        probes: list[tuple[float, float]] = []
+        for mb, ms in (first, *PROBES):
+            point = (mb if self._fixed_mb is None else self._fixed_mb,
+                     ms if self._fixed_ms is None else self._fixed_ms)
+            if point not in probes:
+                probes.append(point)
+        self._probes = probes if self._free else probes[:1]
+        self._max = max(1, max_samples) if self._free else 1  # (the start, scored once)
+        bounds = [(FUSION_MB, CYCLE_MS)[i] for i in self._free]
+        self._bo = BayesianOptimizer(bounds, noise, seed=seed) if self._free else None
+        self._categorical = [c for c in categorical if c not in fixed]
+        self._auto = auto_hierarchical
+        self._warmup = max(0, warmup)
+        self._joint = 0  # joint settings scored
+        self._tried: list[str] = []  # categorical tunables tried
+        self.current = self._with_point(replace(start, active=True), self._probes[0])
+        self.history: list[tuple[Params, float]] = []
+        self.best: tuple[Params, float] | None = None
+
+    @property
+    def nothing_to_tune(self) -> bool:
+        return not self._free and not self._categorical
+
+    @property
+    def planned(self) -> int:
+        """Scored samples the search takes in all (warm-up aside)."""
+        return self._max + len(self._categorical)
+
+    def tune(self, score: float) -> Params:
+        """Feed the score of :attr:`current`; the next setting (``active`` False: the final)."""
+        if self._warmup > 0:
+            self._warmup -= 1
+            log.info("autotune: warming up (%d sample(s) remaining)", self._warmup)
+            return self.current
+        scored = self.current
+        self.history.append((scored, score))
+        if self.best is None or score > self.best[1]:
+            self.best = (scored, score)
+        hier = (self._auto if scored.hierarchical_allreduce is None
+                else scored.hierarchical_allreduce)
+        log.info("autotune: [hierarchical_allreduce, hierarchical_allgather, cycle_time_ms, "
+                 "tensor_fusion_threshold] = [%d, %d, %g ms, %g MB] score %.4g bytes/us "
+                 "(sample %d of %d)", hier, scored.hierarchical_allgather, scored.cycle_time,
+                 scored.fusion_threshold / MiB, score, len(self.history), self.planned)
+        nxt = self._next(scored, score)
+        self.current = nxt
+        return nxt
+
+    def finish(self) -> Params:
+        """The best setting so far as the final one (``active`` False)."""
+        best = self.best[0] if self.best is not None else self.current
+        self.current = replace(best, active=False)
+        return self.current
+
+    def _next(self, scored: Params, score: float) -> Params:
+        assert self.best is not None
+        if self._joint < self._max:  # this score was of the joint search
+            self._joint += 1
+            if self._bo is not None:
+                self._bo.add(self._point(scored), score)
+            if self._joint < self._max:
+                assert self._bo is not None
+                if self._joint < len(self._probes):
+                    return self._with_point(scored, self._probes[self._joint])
+                return self._with_point(scored, self._full(self._bo.propose()))
+        if len(self._tried) < len(self._categorical):
+            name = self._categorical[len(self._tried)]
+            self._tried.append(name)
+            best = self.best[0]
+            value = getattr(best, name)
+            if name == "hierarchical_allreduce" and value is None:
+                value = self._auto
+            return replace(best, **{name: not value}, active=True)
+        return self.finish()
+
+    # ---- points of the joint search: (fusion MB, cycle ms) ------------------------------------
+    def _point(self, params: Params) -> list[float]:
+        both = (params.fusion_threshold / MiB, params.cycle_time)
+        return [both[i] for i in self._free]
+
+    def _full(self, free: list[float]) -> tuple[float, float]:
+        both = [self._fixed_mb or 0.0, self._fixed_ms or 0.0]
+        for i, value in zip(self._free, free):
+            both[i] = value
+        return both[0], both[1]
+
+    def _with_point(self, params: Params, point: tuple[float, float]) -> Params:
+        mb, ms = point
+        return replace(params, fusion_threshold=int(round(mb * MiB)),
+                       cycle_time=round(float(ms), 3))
+
+
+__all__ = ["CYCLE_MS", "FUSION_MB", "HEADER", "PROBES", "TUNABLES", "WINDOWS", "CsvLog",
+           "Params", "Sampler", "Search", "fixed_by_user"]
