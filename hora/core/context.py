@@ -18,6 +18,7 @@ from typing import Any
 
 import hora.config as config_mod
 from hora._util import log as hlog
+from hora._util.lifetime import die_with_parent
 from hora._util.net import interface_address, is_loopback, route_source
 from hora.config import Config
 from hora.core import affinity
@@ -185,6 +186,8 @@ def _connect(config: Config, scope: str, sets: list[ProcessSet], dynamic: bool, 
     info = detect()
     hlog.set_rank(info.rank, info.size)
     check_plane(config, info.launcher, info.size)  # every rank alike, before connecting
+    if info.launcher == "mpirun" and os.environ.get("HORA_LAUNCHER") == "hora run":
+        die_with_parent()  # hora run --data-plane mpi: killing it must not leave ranks behind
     if info.rank == 0:
         _warn_unknown_horovod_vars()
     closers: list[Any] = []

@@ -46,6 +46,7 @@ from hora.errors import ConfigError
 from hora.rendezvous.kvstore import KVStoreServer
 from hora.runner.failures import exit_status
 from hora.runner.output import CONSOLE, Console, rank_output_dir
+from hora.runner.processes import _parent_death_signal
 
 SIGKILL_GRACE_S = 3
 """Seconds mpirun waits, after a rank died, before it stops the others (Open MPI's default: 1)."""
@@ -106,7 +107,8 @@ def run_mpirun(argv: list[str], env: Mapping[str, str], np_: int, *,
     """
     try:
         proc = subprocess.Popen(argv, env=dict(env), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                preexec_fn=_parent_death_signal())  # mpirun dies with us
     except OSError as exc:
         console.say(f"could not start {argv[0]}: {exc}")
         return 127
