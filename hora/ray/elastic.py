@@ -291,12 +291,28 @@ def _reraise(worker: RayWorker, reason: str) -> None:
             return
         exc = RankFailedError(f"hora.ray: elastic worker {worker.wid} raised "
                               f"{header.get('type')}: {header.get('message')}", rank=rank)
-    note = (f"hora.ray: raised by elastic worker {worker.wid} on {worker.host} (rank {rank} of "
-            f"generation {generation}); the elastic job could not go on: {reason}")
+    where = (f"rank {rank} of generation {generation}" if generation > 0 else
+             "before it joined a generation")
+    note = (f"hora.ray: raised by elastic worker {worker.wid} on {worker.host} ({where}); the "
+            f"elastic job could not go on: {reason}")
     add_note = getattr(exc, "add_note", None)
     if add_note is not None:
         add_note(note)
-    raise exc from RemoteTraceback(rank, str(header.get("traceback", "")))
+    raise exc from WorkerTraceback(worker.wid, rank, str(header.get("traceback", "")))
 
 
-__all__ = ["ElasticMode", "ElasticRayExecutor", "ElasticSettings", "RayHostDiscovery", "outcome"]
+class WorkerTraceback(RemoteTraceback):
+    """An elastic worker's traceback (``wid``: its worker id; ``rank``: its rank then, -1
+    before it joined a generation)."""
+
+    def __init__(self, wid: int, rank: int, text: str) -> None:
+        super().__init__(rank, text)
+        self.wid = wid
+
+    def __str__(self) -> str:
+        return (f"\n\nelastic worker {self.wid}'s traceback:\n\"\"\"\n{self.text.rstrip()}"
+                "\n\"\"\"")
+
+
+__all__ = ["ElasticMode", "ElasticRayExecutor", "ElasticSettings", "RayHostDiscovery",
+           "WorkerTraceback", "outcome"]
