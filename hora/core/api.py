@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 
 from hora.collectives.adasum import FLOAT_DTYPES, check_set
-from hora.collectives.ops import ReduceOp, check_dtype, dtype_name, scale_inplace
+from hora.collectives.ops import ReduceOp, check_dtype, dtype_name
 from hora.core import context
 from hora.core.entry import Entry
-from hora.core.handle import Handle, join_handles
+from hora.core.handle import Handle
 from hora.core.messages import OpKind, Request
 from hora.core.process_set import ProcessSet, global_process_set
 from hora.errors import HorovodInternalError
@@ -116,13 +116,18 @@ def _contiguous(tensor: Any, what: str) -> np.ndarray:
     return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
 
 
+def _entry(request: Request, tensor: np.ndarray, output: np.ndarray | None,
+           finish: Callable[[Any], Any] | None = None, sync: bool = False) -> Entry:
+    return Entry(request=request, tensor=tensor, output=output,
+                 handle=Handle(request.name, request.set_id), finish=finish, sync=sync)
+
+
 def _submit(ctx: context.Context, request: Request, tensor: np.ndarray,
             output: np.ndarray | None, finish: Callable[[Any], Any] | None = None,
             sync: bool = False) -> Handle:
-    handle = Handle(request.name, request.set_id)
-    ctx.engine.submit(Entry(request=request, tensor=tensor, output=output, handle=handle,
-                            finish=finish, sync=sync))
-    return handle
+    entry = _entry(request, tensor, output, finish, sync)
+    ctx.engine.submit(entry)
+    return entry.handle
 
 
 def _writeback(target: np.ndarray, work: np.ndarray) -> Callable[[Any], Any] | None:
@@ -152,6 +157,18 @@ def allreduce_async(tensor: Any, *, name: str | None = None, op: int = ReduceOp.
     promises that the caller waits for the handle at once (sync wrappers; internal).
     """
     ctx = context.get("allreduce")
+    entry = allreduce_entry(ctx, tensor, name, op, prescale_factor, postscale_factor,
+                            process_set, inplace, output, prefix, device, sync, group)
+    ctx.engine.submit(entry)
+    return entry.handle
+
+
+def allreduce_entry(ctx: context.Context, tensor: Any, name: str | None, op: int,
+                    prescale_factor: float, postscale_factor: float,
+                    process_set: ProcessSet, inplace: bool, output: np.ndarray | None,
+                    prefix: str, device: str, sync: bool, group: str) -> Entry:
+    """Check an allreduce's arguments and build its entry (see :func:`allreduce_async`; for
+    calls that submit several ops, :mod:`hora.core.grouped`)."""
     if type(op) is not ReduceOp:
         op = ReduceOp(op)
     set_id, ranks = _set_ranks(ctx, process_set)
@@ -171,43 +188,33 @@ def allreduce_async(tensor: Any, *, name: str | None = None, op: int = ReduceOp.
                   set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape),
                   op=int(op), prescale=float(prescale_factor), postscale=float(postscale_factor),
                   device=device, group=group)
-    return _submit(ctx, req, work, out, finish, sync)
-
-
-def grouped_allreduce_async(tensors: Sequence[Any], *, name: str | None = None,
-                            op: int = ReduceOp.Average, prescale_factor: float = 1.0,
-                            postscale_factor: float = 1.0,
-                            process_set: ProcessSet = global_process_set,
-                            inplace: bool = False, device: str = "cpu",
-                            sync: bool = False) -> Handle:
-    """Allreduce a list of tensors as one group; resolves to the list of results. ``sync``:
-    the caller waits at once (it then drives the members' fast lane itself)."""
-    ctx = context.get("grouped_allreduce")
-    base = ctx.engine.names.base("grouped_allreduce", name, process_set.process_set_id or 0)
-    n = len(tensors)
-    members = [allreduce_async(t, name=f"{base}_{i + 1}of{n}", op=op,
-                               prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                               process_set=process_set, inplace=inplace,
-                               prefix="grouped_allreduce", device=device, sync=sync,
-                               group=f"grouped_allreduce.{base}")
-               for i, t in enumerate(tensors)]
-    return join_handles(f"grouped_allreduce.{base}", members)
+    return _entry(req, work, out, finish, sync)
 
 
 def allgather_async(tensor: Any, *, name: str | None = None,
                     process_set: ProcessSet = global_process_set, prefix: str = "allgather",
-                    device: str = "cpu", group: str = "") -> Handle:
+                    device: str = "cpu", group: str = "", sync: bool = False) -> Handle:
     """Concatenate every rank's tensor along dimension 0, in rank order within the set.
 
-    First dimensions may differ across ranks; the other dimensions must agree.
+    First dimensions may differ across ranks; the other dimensions must agree. ``sync``: the
+    caller waits at once (see :func:`allreduce_async`).
     """
     ctx = context.get("allgather")
+    entry = allgather_entry(ctx, tensor, name, process_set, prefix, device, group, sync)
+    ctx.engine.submit(entry)
+    return entry.handle
+
+
+def allgather_entry(ctx: context.Context, tensor: Any, name: str | None,
+                    process_set: ProcessSet, prefix: str, device: str, group: str,
+                    sync: bool) -> Entry:
+    """Check an allgather's arguments and build its entry (see :func:`allgather_async`)."""
     set_id, _ = _set_ranks(ctx, process_set)
     work = _contiguous(tensor, "allgather input")
     req = Request(name=_full_name(ctx, prefix, name, set_id), kind=OpKind.ALLGATHER, rank=ctx.rank,
                   set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape),
                   device=device, group=group)
-    return _submit(ctx, req, work, None)
+    return _entry(req, work, None, None, sync)
 
 
 def broadcast_async(tensor: Any, root_rank: int, *, name: str | None = None,
@@ -283,76 +290,6 @@ def reducescatter_async(tensor: Any, *, name: str | None = None, op: int = Reduc
                   shape=list(work.shape), op=int(op), prescale=float(prescale_factor),
                   postscale=float(postscale_factor), device=device, group=group)
     return _submit(ctx, req, work, None)
-
-
-# ---- grouped and sparse forms (built on the single ops above) --------------------------------
-def grouped_allgather_async(tensors: Sequence[Any], *, name: str | None = None,
-                            process_set: ProcessSet = global_process_set,
-                            device: str = "cpu") -> Handle:
-    """Allgather each tensor of a list (names ``grouped_allgather.<base>_<i>of<n>``); resolves
-    to the list of gathered arrays."""
-    ctx = context.get("grouped_allgather")
-    base = ctx.engine.names.base("grouped_allgather", name, process_set.process_set_id or 0)
-    n = len(tensors)
-    members = [allgather_async(t, name=f"{base}_{i + 1}of{n}", process_set=process_set,
-                               prefix="grouped_allgather", device=device,
-                               group=f"grouped_allgather.{base}")
-               for i, t in enumerate(tensors)]
-    return join_handles(f"grouped_allgather.{base}", members)
-
-
-def grouped_reducescatter_async(tensors: Sequence[Any], *, name: str | None = None,
-                                op: int = ReduceOp.Average, prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0,
-                                process_set: ProcessSet = global_process_set,
-                                device: str = "cpu") -> Handle:
-    """Reducescatter each tensor of a list (names ``grouped_reducescatter.<base>_<i>of<n>``);
-    resolves to the list of this rank's shares."""
-    ctx = context.get("grouped_reducescatter")
-    base = ctx.engine.names.base("grouped_reducescatter", name, process_set.process_set_id or 0)
-    n = len(tensors)
-    members = [reducescatter_async(t, name=f"{base}_{i + 1}of{n}", op=op,
-                                   prescale_factor=prescale_factor,
-                                   postscale_factor=postscale_factor, process_set=process_set,
-                                   prefix="grouped_reducescatter", device=device,
-                               group=f"grouped_reducescatter.{base}")
-               for i, t in enumerate(tensors)]
-    return join_handles(f"grouped_reducescatter.{base}", members)
-
-
-def sparse_allreduce_async(values: Any, indices: Any, *, name: str,
-                           op: int = ReduceOp.Average,
-                           process_set: ProcessSet = global_process_set,
-                           device: str = "cpu") -> Handle:
-    """Horovod's sparse "allreduce": allgather the non-zero ``values`` (nnz first) and their
-    ``indices`` (shape ``[nnz, ndim]``, nnz first) as ``<name>.values`` / ``<name>.indices``.
-
-    Resolves to ``(values, indices)`` concatenated in rank order (duplicate indices are not
-    coalesced). With op Average the values are divided by the set size (in their own dtype);
-    Sum leaves them; other ops raise ValueError.
-    """
-    op = ReduceOp(op)
-    if op not in (ReduceOp.Sum, ReduceOp.Average):
-        raise ValueError(f"sparse allreduce supports only Average and Sum, not {op.name}")
-    _, ranks = _set_ranks(context.get("sparse_allreduce"), process_set)
-    h_values = allgather_async(values, name=f"{name}.values", process_set=process_set,
-                               device=device)
-    h_indices = allgather_async(indices, name=f"{name}.indices", process_set=process_set,
-                                device=device)
-    both = join_handles(f"sparse_allreduce.{name}", [h_values, h_indices])
-    out = Handle(both.name)
-
-    def finish(h: Handle) -> None:
-        try:
-            gathered_values, gathered_indices = h.wait(0)
-            if op is ReduceOp.Average:
-                scale_inplace(gathered_values, 1.0 / len(ranks))
-            out.set_result((gathered_values, gathered_indices))
-        except BaseException as exc:  # noqa: BLE001 - the op's failure is the handle's failure
-            out.set_error(exc)
-
-    both.add_done_callback(finish)
-    return out
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:

@@ -33,6 +33,7 @@ from hora.collectives.ops import ReduceOp
 from hora.core import api as _api
 from hora.core import context as _context
 from hora.core import gradients as _grads
+from hora.core import grouped as _grouped
 from hora.core import spellings as _sp
 from hora.core.process_set import ProcessSet, global_process_set
 from hora.tensorflow.bridge import (
@@ -75,7 +76,7 @@ def _sparse_allreduce(slices: tf.IndexedSlices, name: str | None, op: ReduceOp, 
     def run(v: np.ndarray, i: np.ndarray) -> list[np.ndarray]:
         ctx = _context.get("allreduce")
         base = ctx.engine.names.base("sparse_allreduce", name, process_set.process_set_id or 0)
-        out: tuple[np.ndarray, np.ndarray] = _api.sparse_allreduce_async(
+        out: tuple[np.ndarray, np.ndarray] = _grouped.sparse_allreduce_async(
             v, i, name=base, op=op, process_set=process_set).wait()
         return list(out)
 
