@@ -5,12 +5,21 @@
     python benchmarks/allreduce.py --algorithms         # star vs ring at 2, 3, 4 ranks
     python benchmarks/allreduce.py --mpi                # also Open MPI (mpirun + mpi4py)
     python benchmarks/allreduce.py --sizes-kib 4 4 4    # small-message latency, repeated
+    python benchmarks/allreduce.py --data-plane builtin,torch,mpi   # hora over each data plane
 
 Both libraries run in the same processes, interleaved per size (A B A B ...), because this
 machine's speed swings 2-6x within minutes: only ratios from one job mean anything. Reported:
 median time per allreduce, and bus bandwidth = 2 (n-1)/n * bytes / time (the NCCL-tests
 convention; the bytes each rank must move for a bandwidth-optimal allreduce).
 hora is measured through its full engine (``hora.allreduce``: negotiation, queueing, completion).
+
+``--data-plane`` compares hora's data planes (docs/data-planes.md) in one job started by
+``hora run --data-plane mpi`` (mpirun; without mpi in the list, plain ``hora run``): each round
+runs hora once per plane (``hora.init()`` with ``HORA_DATA_PLANE`` set, every size, then
+``hora.shutdown()``), the planes' order rotated per round, so that the planes interleave
+(A B C, B C A, ...). The same processes also time the engines bare, outside hora: gloo's
+``all_reduce`` on a ``torch.distributed`` group and ``MPI_Allreduce`` through mpi4py, so the
+table shows what the planes cost and what hora's control plane adds on top of them.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -133,6 +143,101 @@ def worker_vs_gloo(max_mib: int, rounds: int, sizes_kib: list[int] | None = None
     hora.shutdown()
 
 
+def worker_planes(planes: list[str], max_mib: int, rounds: int,
+                  sizes_kib: list[int] | None) -> None:
+    """One rank of the ``--data-plane`` comparison (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+
+    import hora
+
+    torch.set_num_threads(1)
+    sizes = [k * 1024 for k in sizes_kib] if sizes_kib else _sizes(max_mib)
+    bufs = {n: np.zeros(n // 4, np.float32) for n in sizes}  # zeros: sums never overflow
+    mpi_comm = None
+    if "mpi" in planes:
+        from mpi4py import MPI  # the ranks run under mpirun: MPI's world is hora's
+
+        mpi_comm = MPI.COMM_WORLD
+    times: dict[tuple[str, int], list[float]] = {}
+    ready = False
+    for r in range(rounds):
+        for plane in planes[r % len(planes):] + planes[:r % len(planes)]:
+            os.environ["HORA_DATA_PLANE"] = plane
+            hora.init()
+            if not ready:  # the bare engines: a gloo group, and MPI's world
+                port = hora.broadcast_object(_free_port() if hora.rank() == 0 else None, 0,
+                                             name="port")
+                dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                        rank=hora.rank(), world_size=hora.size())
+                ready = True
+            for nbytes in sizes:
+                x = bufs[nbytes]
+                hora.allreduce_(x, op=hora.Sum, name=f"warm{nbytes}")
+                reps = max(1, _reps(nbytes) // rounds)
+                hora.barrier()
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    hora.allreduce_(x, op=hora.Sum, name="bench")
+                    times.setdefault((plane, nbytes), []).append(time.perf_counter() - t0)
+            if plane == "builtin" or (plane == "mpi" and "builtin" not in planes):
+                _bare_engines(sizes, bufs, rounds, times, mpi_comm)
+            hora.shutdown()
+    os.environ["HORA_DATA_PLANE"] = planes[0]
+    hora.init()
+    med = {key: max(hora.allgather_object(statistics.median(t), name=f"m{key[0]}{key[1]}"))
+           for key, t in sorted(times.items())}
+    if hora.rank() == 0:
+        _plane_table(planes, sizes, med, hora.size(), mpi_comm is not None)
+    dist.destroy_process_group()
+    hora.shutdown()
+
+
+def _bare_engines(sizes: list[int], bufs: dict[int, np.ndarray], rounds: int,
+                  times: dict[tuple[str, int], list[float]], mpi_comm: object) -> None:
+    """gloo's and MPI's own allreduce of the same buffers (no hora in between)."""
+    import torch
+    import torch.distributed as dist
+
+    for nbytes in sizes:
+        t = torch.from_numpy(bufs[nbytes])
+        dist.all_reduce(t)
+        reps = max(1, _reps(nbytes) // rounds)
+        dist.barrier()
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            times.setdefault(("gloo", nbytes), []).append(time.perf_counter() - t0)
+        if mpi_comm is not None:
+            from mpi4py import MPI
+
+            comm: Any = mpi_comm
+            comm.Allreduce(MPI.IN_PLACE, bufs[nbytes])
+            comm.Barrier()
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                comm.Allreduce(MPI.IN_PLACE, bufs[nbytes])
+                times.setdefault(("MPI", nbytes), []).append(time.perf_counter() - t0)
+
+
+def _plane_table(planes: list[str], sizes: list[int], med: dict[tuple[str, int], float],
+                 n: int, with_mpi: bool) -> None:
+    bare = ["gloo"] + (["MPI"] if with_mpi else [])
+    print(f"\nallreduce float32, {n} ranks, 1 thread each; median per op (slowest rank); hora "
+          f"through each data plane, then the bare engines (no hora); ratios: time / builtin's")
+    head = " | ".join(f"{'hora ' + p:>13} {'GB/s':>6}" for p in planes)
+    ratios = " ".join(f"{p + '/b':>8}" for p in planes if p != "builtin")
+    print(f"{'size':>9} | {head} | {ratios} | " + " | ".join(f"{b + ' us':>10}" for b in bare))
+    for nbytes in sizes:
+        cols = " | ".join(f"{med[(p, nbytes)] * 1e6:10.1f} us "
+                          f"{_busbw(nbytes, n, med[(p, nbytes)]):6.3f}" for p in planes)
+        base = med.get(("builtin", nbytes))
+        rat = " ".join(f"{med[(p, nbytes)] / base:7.2f}x" for p in planes
+                       if p != "builtin" and base)
+        raw = " | ".join(f"{med[(b, nbytes)] * 1e6:10.1f}" for b in bare if (b, nbytes) in med)
+        print(f"{_fmt_size(nbytes):>9} | {cols} | {rat} | {raw}")
+
+
 def worker_algorithms(mib: list[int], reps: int) -> None:
     import hora
     from hora.collectives.allreduce import ring_allreduce, star_allreduce
@@ -185,9 +290,19 @@ def main() -> None:
                         help="measure hora's TCP ring (HORA_SHM=0) instead of shared memory")
     parser.add_argument("--sizes-kib", type=int, nargs="+",
                         help="measure exactly these sizes (KiB) instead of 4 KiB .. --max-mib")
-    parser.add_argument("--worker", choices=["gloo", "algos"], help=argparse.SUPPRESS)
+    parser.add_argument("--data-plane", metavar="PLANES",
+                        help="compare hora's data planes, e.g. builtin,torch,mpi (mpi: the "
+                             "job starts under mpirun, which needs Open MPI and mpi4py)")
+    parser.add_argument("--worker", choices=["gloo", "algos", "planes"], help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker == "gloo":
+    planes = [p.strip() for p in (args.data_plane or "").split(",") if p.strip()]
+    unknown = [p for p in planes if p not in ("builtin", "torch", "mpi")]
+    if unknown:
+        parser.error(f"--data-plane: unknown plane(s) {', '.join(unknown)}; choose from "
+                     "builtin, torch, mpi")
+    if args.worker == "planes":
+        worker_planes(planes, args.max_mib, args.rounds, args.sizes_kib)
+    elif args.worker == "gloo":
         worker_vs_gloo(args.max_mib, args.rounds, args.sizes_kib)
     elif args.worker == "algos":
         worker_algorithms(args.algo_mib, args.rounds)
@@ -197,6 +312,17 @@ def main() -> None:
                              *map(str, args.algo_mib)])
             if rc:
                 sys.exit(rc)
+    elif planes:
+        sizes = ["--sizes-kib", *map(str, args.sizes_kib)] if args.sizes_kib else []
+        extra = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                 "OMP_NUM_THREADS": "1"}
+        launcher = [sys.executable, "-m", "hora.runner.cli", "run", "-np", str(args.np)]
+        if "mpi" in planes:
+            launcher += ["--data-plane", "mpi"]
+        sys.exit(subprocess.call([*launcher, sys.executable, __file__, "--worker", "planes",
+                                  "--data-plane", ",".join(planes), "--max-mib",
+                                  str(args.max_mib), "--rounds", str(args.rounds), *sizes],
+                                 env={**os.environ, **extra}))
     else:
         sizes = ["--sizes-kib", *map(str, args.sizes_kib)] if args.sizes_kib else []
         sys.exit(_launch(args.np, ["--worker", "gloo", "--max-mib", str(args.max_mib),

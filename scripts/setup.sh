@@ -33,5 +33,13 @@ if ! .venv/bin/python -c "import pyspark" 2>/dev/null; then
   echo "[setup] installing pyspark==4.3.0 (hora.spark)"
   $PIP install "pyspark==4.3.0"
 fi
+if ! .venv/bin/python -c "import mpi4py" 2>/dev/null; then
+  # the mpi data plane (HORA_DATA_PLANE=mpi): mpi4py's binary wheel loads the system's MPI
+  # (Open MPI's libmpi.so.40 from openmpi-bin) at run time, so it needs no compiler or MPI
+  # headers; without a wheel for this platform the mpi plane's tests skip, saying why
+  echo "[setup] installing mpi4py==4.1.2 (the mpi data plane)"
+  $PIP install --only-binary :all: "mpi4py==4.1.2" \
+    || echo "[setup] could not install mpi4py; the mpi data plane's tests will be skipped"
+fi
 echo "[setup] installing hora (editable) with test extras"
 $PIP install -e ".[test]"

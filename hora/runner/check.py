@@ -125,24 +125,27 @@ def probes() -> dict[str, list[Probe]]:
                   if hora_has("transports.tcp") else "not yet"),
             Probe("shm", hora_has("transports.shm"), "same host" if hora_has("transports.shm")
                   else "not yet (same-host ranks use tcp over loopback)"),
-            Probe("mpi4py", mpi4py_v is not None and hora_has("transports.mpi"),
-                  _optional(mpi4py_v, "mpi4py", "transports.mpi")),
-            Probe("torch.distributed gloo", torch_v is not None and hora_has("transports.torch"),
-                  _optional(torch_v, "torch", "transports.torch")),
+            Probe("mpi4py", mpi4py_v is not None and hora_has("transports.mpi_plane"),
+                  _optional(mpi4py_v, "mpi4py", "transports.mpi_plane")
+                  + ("; the mpi data plane (--data-plane mpi)" if mpi4py_v else "")),
+            Probe("torch.distributed gloo",
+                  torch_v is not None and hora_has("transports.torch_plane"),
+                  _optional(torch_v, "torch", "transports.torch_plane")
+                  + ("; the torch data plane (--data-plane torch)" if torch_v else "")),
             Probe("torch.distributed nccl",
-                  cuda and hora_has("transports.torch"),
+                  cuda and hora_has("transports.torch_plane"),
                   ("CPU-only torch build" if torch_v is not None and not cuda
-                   and hora_has("transports.torch")
+                   and hora_has("transports.torch_plane")
                    else _optional(torch_v, "torch (CUDA build)" if cuda else "torch",
-                                  "transports.torch"))),
+                                  "transports.torch_plane"))),
         ],
         "Launchers": [
             Probe("hora run", True, "this host, and other hosts over ssh (-H, --hostfile)"
                   + ("; elastic (--min-np, --host-discovery-script)" if hora_has("elastic")
                      else "; elastic: not yet")),
             Probe("mpirun", mpirun is not None,
-                  f"{mpirun}: `mpirun -np N python train.py` needs no hora run" if mpirun
-                  else "not found"),
+                  f"{mpirun}: `mpirun -np N python train.py` needs no hora run; `hora run "
+                  "--data-plane mpi` starts the ranks through it" if mpirun else "not found"),
             Probe("srun", srun is not None,
                   f"{srun}: `srun -n N python train.py` needs no hora run" if srun
                   else "not found"),
