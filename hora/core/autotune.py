@@ -155,6 +155,8 @@ class Tuning:
     # ---- rank 0, any thread that runs a collective ------------------------------------------
     def observe(self, resp: Response) -> None:
         """Rank 0 ran (or is about to run) ``resp``: count its bytes toward the score."""
+        if self._sampler is None:  # tuning is over
+            return
         if resp.kind is OpKind.ALLREDUCE:
             count = sum(_prod(s) for s in resp.shapes)
         elif resp.kind is OpKind.ALLGATHER and resp.shapes:
@@ -182,7 +184,10 @@ class Tuning:
             nxt = search.finish()
         with self._lock:
             self._pending = nxt
-        self._transport.wake()
+        try:
+            self._transport.wake()
+        except OSError:  # the engine stopped meanwhile: nothing more to apply
+            log.debug("autotune: the engine stopped before the next setting", exc_info=True)
 
     # ---- rank 0, engine thread ----------------------------------------------------------------
     def poll(self) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,6 +27,8 @@ from hora.core.autotune_search import (
 from hora.core.bayesopt import BayesianOptimizer
 from hora.errors import ConfigError, ProtocolError
 from hora.knobs import MiB
+
+from .conftest import SUM
 
 # ---- the optimiser ------------------------------------------------------------------------------
 
@@ -210,3 +213,46 @@ def test_the_log_has_horovods_columns_and_refuses_an_unwritable_path(tmp_path: P
     with pytest.raises(ConfigError, match=r"HOROVOD_AUTOTUNE_LOG='.*missing/log.csv': cannot "
                                           r"write the autotune log there: .*No such file"):
         CsvLog(str(tmp_path / "missing" / "log.csv"), False, True)
+
+
+# ---- a setting imposed on every rank (engines over the loopback transport) ---------------------
+
+def test_a_setting_from_rank_0_reaches_every_rank_and_the_fast_lane_fuses_by_it(
+        world: Any) -> None:
+    w = world(2)
+    names = [f"t{k}" for k in range(6)]
+    fresh = iter(range(1000))
+
+    def round_(i: int) -> tuple[int, int]:
+        """Six cached allreduces; then a new name (negotiated: its response comes after any
+        setting rank 0 sent before it). The lane's (ops, batches) on rank 0 in this round."""
+        lane = w.engines[0].lane(0)
+        before = (lane.fast_ops, lane.batches) if lane is not None else (0, 0)
+        hs = [w.submit(r, n, np.full(16, float(r + i), np.float32), op=SUM)
+              for r in (1, 0) for n in names]
+        for h in hs:
+            np.testing.assert_array_equal(h.wait(20), np.full(16, 2.0 * i + 1, np.float32))
+        k = next(fresh)
+        for h in [w.submit(r, f"new{k}", np.ones(1), op=SUM) for r in (0, 1)]:
+            h.wait(20)
+        lane = w.engines[0].lane(0)
+        assert lane is not None
+        return lane.fast_ops - before[0], lane.batches - before[1]
+
+    round_(0)  # negotiated once: the lane learns the names
+    tunings = [e.tuning for e in w.engines]
+    assert not tunings[0].active and tunings[0].applied == []
+    with pytest.raises(ValueError, match="only rank 0 may impose tunables"):
+        tunings[1].request(Params(0, 0.0, None, False, active=False))
+    unfused = Params(0, 0.0, None, False, active=False)
+    tunings[0].request(unfused)
+    for i in range(1, 6):  # threshold 0: the lane's leader fuses nothing
+        ops, batches = round_(i)
+        assert ops == batches, (i, ops, batches)
+    assert tunings[0].applied == tunings[1].applied == [unfused]
+    fused = Params(4 * MiB, 0.0, None, False, active=False)
+    tunings[0].request(fused)
+    fewest = min(round_(i)[1] for i in range(6, 40))  # some round fuses (ops logged together)
+    assert fewest < len(names), fewest
+    assert tunings[0].applied == tunings[1].applied == [unfused, fused]
+    assert tunings[1].current == fused
