@@ -119,6 +119,7 @@ class RaySpawner:
         self._job_id = ""
         self._shared: Any = None
         self._watcher: threading.Thread | None = None
+        self._broken = ""
 
     # ---- the Spawner protocol ------------------------------------------------------------------
 
@@ -136,6 +137,8 @@ class RaySpawner:
         return str(ray.util.get_node_ip_address())
 
     def start(self, wid: int, host: str, env: Mapping[str, str]) -> RayWorker:
+        if self._broken:
+            raise SpawnError(f"hora.ray: cannot start worker {wid}: {self._broken}", 1)
         node_id, options = self._placement(host)
         env = {**env, "HORA_LAUNCHER": environment.LAUNCHER_NAME}
         for name in ("HORA_LAUNCHER_PID", "PYTHONUNBUFFERED"):  # the driver's; Ray's business
@@ -232,20 +235,49 @@ class RaySpawner:
                          f"no 'node:{host}' resource): cannot place a worker there", 1)
 
     def _watch(self) -> None:
+        failures = 0
         while not self._closing.is_set():
+            try:
+                self._look()
+                failures = 0
+            except Exception as exc:  # noqa: BLE001 (Ray trouble: retry, then give the job up)
+                failures += 1
+                log.warning("hora.ray: watching the elastic workers failed (%s: %s)",
+                            type(exc).__name__, exc)
+                if failures >= 20 or not ray.is_initialized():
+                    self._give_up(f"the driver lost track of its workers: {exc}")
+                    return
+                self._closing.wait(0.5)
+
+    def _give_up(self, why: str) -> None:
+        """Report every running worker as failed and refuse new ones (the driver then ends
+        the job: every host fails)."""
+        self._broken = why
+        with self._lock:
+            running = [w for w in self._workers.values() if w.outcome is None]
+        for worker in running:
+            worker.note = why
             with self._lock:
-                running = [w for w in self._workers.values() if w.outcome is None]
-            if running:
-                ready, _ = ray.wait([w.ref for w in running], num_returns=len(running),
-                                    timeout=POLL_S)
-                done = set(ready)
-                for worker in running:
-                    if worker.ref in done:
-                        self._finish(worker)
-                self._check_starts([w for w in running if w.ref not in done])
-            else:
-                self._closing.wait(POLL_S)
-            self._drain()
+                worker.outcome, worker.seq = ("ray", RuntimeError(why)), next(self._seq)
+            assert self._exits is not None
+            self._exits.put((worker.wid, 1))
+
+    def _look(self) -> None:
+        """One round: collect the workers that ended, kill those that did not start in
+        time, pass the logged values to the callbacks."""
+        with self._lock:
+            running = [w for w in self._workers.values() if w.outcome is None]
+        if running:
+            ready, _ = ray.wait([w.ref for w in running], num_returns=len(running),
+                                timeout=POLL_S)
+            done = set(ready)
+            for worker in running:
+                if worker.ref in done:
+                    self._finish(worker)
+            self._check_starts([w for w in running if w.ref not in done])
+        else:
+            self._closing.wait(POLL_S)
+        self._drain()
 
     def _check_starts(self, running: list[RayWorker]) -> None:
         waiting = [w for w in running if not w.running]

@@ -393,8 +393,9 @@ class ElasticDriver:
 
     def _finishing(self) -> int | None:
         done = self._finished.describe() if self._finished is not None else "a worker"
-        for m in self.members.values():
-            if m.waiting and m.leaving is None:
+        for m in self.members.values():  # the waiting, and newcomers still starting (told now,
+            # they leave when they ask; one that never asks is stopped after the grace period)
+            if m.alive and m.leaving is None and (m.waiting or m.current is None):
                 self._tell(m, proto.Stop("finished", f"{done} finished training"))
         live = [m for m in self.members.values() if m.alive]
         if not live:
