@@ -19,10 +19,12 @@ import numpy as np
 import tensorflow as tf
 
 from hora.collectives.ops import ReduceOp
+from hora.core import api as _api
 from hora.core import context as _context
 from hora.core import distopt
 from hora.core.process_set import ProcessSet
 from hora.tensorflow.bridge import check_dtype, host_call
+from hora.tensorflow.buffers import OutputPool
 from hora.tensorflow.compression import Compressor
 from hora.tensorflow.mpi_ops import allreduce
 
@@ -48,6 +50,7 @@ class GradientReducer:
         self.scale_local_gradients = scale_local_gradients
         self.prescale, self.postscale = distopt.scale_factors(op, gradient_predivide_factor)
         self.local_ids: set[int] = set()
+        self.outputs = OutputPool()
 
     def active(self) -> bool:
         """False when reducing is the identity (a set of one, or this rank is outside it). An
@@ -106,7 +109,9 @@ class GradientReducer:
         args = (self.op, self.prescale, self.postscale, self.process_set)
 
         def run(*arrays: np.ndarray) -> list[np.ndarray]:
-            return distopt.allreduce_groups(arrays, names, groups, *args)
+            if any(len(g) > 1 for g in groups):
+                return distopt.allreduce_groups(arrays, names, groups, *args)
+            return self._singles(arrays, names)
 
         xs = [c for c, _ in pairs]
         reduced = host_call(run, xs, [x.dtype for x in xs], f"{self.prefix}_Allreduce")
@@ -115,6 +120,26 @@ class GradientReducer:
             r.set_shape(x.shape)
             outs.append(self.compression.decompress(r, ctx))
         return outs
+
+    def _singles(self, arrays: Sequence[np.ndarray], names: list[str]) -> list[np.ndarray]:
+        """Allreduce each array on its own (the engine fuses them), into pooled aligned
+        results that TensorFlow adopts without a copy; largest first, so that the small ones
+        share one fused collective. The calling thread runs the fast lane's collectives."""
+        order = sorted(range(len(arrays)), key=lambda i: -arrays[i].nbytes)
+        handles = [_api.allreduce_async(
+            arrays[i], name=names[i], op=self.op, prescale_factor=self.prescale,
+            postscale_factor=self.postscale, process_set=self.process_set,
+            output=self.outputs.take(names[i], arrays[i]), sync=True) for i in order]
+        out: list[np.ndarray] = list(arrays)
+        first_error: BaseException | None = None
+        for i, handle in zip(order, handles):  # (a group handle would keep the results alive
+            try:                                # until the garbage collector breaks its cycle)
+                out[i] = handle.wait()
+            except BaseException as exc:  # noqa: BLE001 - wait for the rest, then raise
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+        return out
 
 
 __all__ = ["GradientReducer", "variable_name"]

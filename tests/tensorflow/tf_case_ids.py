@@ -14,7 +14,7 @@ REJECTED = {family: ["bool", "int16", "complex64"]
     family: ["complex64", "string"] for family in ("allgather", "broadcast", "alltoall")}
 GRAPH_DTYPES = ("int32", "float32", "bfloat16")
 TF_ONLY = [f"graph-{d}" for d in GRAPH_DTYPES] + [
-    "grad-eager", "grad-graph", "tape-eager", "tape-graph", "variables-sparse",
+    "grad-eager", "grad-graph", "tape-eager", "tape-graph", "tape-results", "variables-sparse",
     "mismatch-eager", "mismatch-graph"]
 
 

@@ -185,6 +185,44 @@ def _tape(graph: bool) -> Case:
     return case
 
 
+def _tape_results(hvd: Any) -> None:
+    """Gradients reduced inside ``tf.function`` come back in the reducer's pooled arrays, which
+    TensorFlow adopted without a copy (and which are reused once the caller dropped them), and
+    results the caller keeps stay intact while later steps run."""
+    from hora.tensorflow.gradients import GradientReducer
+
+    r, n = hvd.rank(), hvd.size()
+    w = tf.Variable(tf.zeros(4096))
+    reducer = GradientReducer("results", hvd.Compression.none, False, hvd.Average, 1.0, None,
+                              hvd.global_process_set, True)
+
+    @tf.function
+    def step(scale: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * scale)
+        g = reducer([tape.gradient(loss, w)], [w])[0]
+        # where the result lives, as the graph sees it (returning a tensor copies it)
+        return g, tf.numpy_function(lambda a: np.int64(a.ctypes.data), [g], tf.int64)
+
+    def scale(k: int) -> tf.Tensor:
+        return tf.fill([4096], float((r + 1) * k))
+
+    mean = np.mean([q + 1.0 for q in range(n)])
+    kept = [step(scale(k))[0] for k in range(1, 8)]  # more than the pool keeps per name
+    for k, g in enumerate(kept, 1):
+        _eq(g, np.full(4096, mean * k), f"kept result of call {k}")
+    del kept
+    addresses = []
+    for k in range(1, 7):
+        g, address = step(scale(k))
+        _eq(g, np.full(4096, mean * k), f"dropped result of call {k}")
+        addresses.append(int(address))
+        del g
+    pooled = {a.ctypes.data for a in reducer.outputs.arrays()}
+    assert set(addresses) <= pooled, f"results {addresses} are copies, not the pool's {pooled}"
+    assert len(set(addresses)) < len(addresses), f"results not reused: {addresses}"
+
+
 def _variables(hvd: Any) -> None:
     r, n = hvd.rank(), hvd.size()
     a, b = tf.Variable(np.full(3, float(r))), tf.Variable(np.full((2, 2), r, np.int32))
@@ -237,7 +275,7 @@ def cases() -> list[tuple[str, Case]]:
     out: list[tuple[str, Case]] = [(f"graph-{d}", _graph(d)) for d in GRAPH_DTYPES]
     out += [("grad-eager", _gradients(False)), ("grad-graph", _gradients(True)),
             ("tape-eager", _tape(False)), ("tape-graph", _tape(True)),
-            ("variables-sparse", _variables),
+            ("tape-results", _tape_results), ("variables-sparse", _variables),
             ("mismatch-eager", _mismatch(False)), ("mismatch-graph", _mismatch(True))]
     assert [case_id for case_id, _ in out] == TF_ONLY, "update tf_case_ids.TF_ONLY"
     return out
