@@ -115,9 +115,10 @@ def _check_arguments(func: Any, np: Any, elastic: Mapping[str, Any], use_gloo: b
                               "min_np= or host_discovery_script= too")
     if use_mpi:
         raise ConfigError(
-            "hora.run: use_mpi=True is not available: hora has its own engine and no mpirun "
-            "launcher mode. Leave use_mpi unset to let hora start the ranks itself, or start a "
-            "script with `mpirun -np N python train.py` (hora ranks run under MPI directly).")
+            "hora.run: use_mpi=True is not available: hora.run starts the ranks itself, and "
+            "MPI (the mpi data plane) needs ranks started by mpirun. Leave use_mpi unset, or "
+            "start a script with `hora run --data-plane mpi -np N python train.py` (it starts "
+            "the ranks through mpirun) or `mpirun -np N python train.py`.")
     if use_gloo is False and use_mpi is False:
         raise ConfigError("hora.run: use_gloo=False and use_mpi=False leave no controller; hora "
                           "has one (its own engine, started like Horovod's gloo mode)")
@@ -319,7 +320,8 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (),
         output_filename: also copy each rank's output to ``DIR/rank.<r>/{stdout,stderr}``.
         verbose: print what is started and with which variables (never a secret).
         use_gloo: accepted (hora's engine is started like Horovod's gloo mode).
-        use_mpi: True raises ConfigError: hora has no mpirun launcher mode.
+        use_mpi: True raises ConfigError: hora.run does not start ranks through mpirun (``hora
+            run --data-plane mpi`` does).
         mpi_args: accepted and ignored, with a note (no mpirun mode).
         network_interface: ``"eth1"`` or ``"eth1,eth2"``: the interface the store and the ranks
             use (the first one; ``HORA_GLOO_IFACE``), as ``hora run --network-interface``.
