@@ -133,6 +133,7 @@ class FastLane:
         self._append_lock = threading.Lock()
         self._count = 0
         self._entries: dict[int, Entry] = {}
+        self._running: list[Entry] = []  # the batch being run (the driving thread's)
         self._floor = 0  # a lower bound of every member's consumed position
         self._closed = False  # this rank appends no more (join, full, stop)
         self._off = False  # an OFF decision was applied: everything is negotiated
@@ -341,6 +342,7 @@ class FastLane:
                 raise HoraInternalError(f"fast lane of process set {self.set_id} is out of step "
                                         f"at position {position} (a bug)")
             entries.append(entry)
+        self._running = entries
         try:
             responses = self._cache.responses(entries, self._boards.rows, start)
             if len(responses) == 1:
@@ -353,6 +355,8 @@ class FastLane:
                 entry.handle.set_error(exc if isinstance(exc, HoraError)
                                        else HoraInternalError(f"fast lane failed: {exc!r}"))
             raise
+        finally:
+            self._running = []
         self.fast_ops += length
         self.batches += len(responses)
 
@@ -383,7 +387,9 @@ class FastLane:
             if self._error is None:
                 self._error = error
             self._closed = self._off = True
-            entries = list(self._entries.values())
+            # (the batch a driver runs now, too: stop() may close the fabric under it, and its
+            # ops must fail with this error, not with what that closing raises there)
+            entries = list(self._entries.values()) + self._running
             self._entries.clear()
         for entry in entries:
             entry.handle.set_error(type(error)(str(error)) if isinstance(error, HoraError)

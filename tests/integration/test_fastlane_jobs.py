@@ -223,3 +223,142 @@ def test_async_ops_around_the_lane_opening_do_not_stall_later_steps(tmp_path: Pa
     assert len(loops) == 2, out
     for line in loops:
         assert _seconds(line) < 3, line  # 5 cached allreduces: milliseconds, not the stall time
+
+
+# ---- grouped calls and sparse allreduce (one unit each in the lane) -------------------------
+def test_grouped_and_sparse_ops_run_in_the_lane_one_unit_each(tmp_path: Path) -> None:
+    """torch: grouped_allreduce of 10 tensors is one fused lane op per call; a sparse allreduce
+    (two allgathers) and DistributedOptimizer's groups and sparse gradients take the lane too;
+    every result is exact."""
+    job = _run_script(tmp_path, """
+        import torch
+        import hora.torch as hvd
+
+        torch.set_num_threads(1)
+        lane = None
+        xs = [torch.arange(k + 3, dtype=torch.float64) for k in range(10)]
+        for i in range(40):
+            if i == 5:
+                lane = context.get().engine.lane(0)
+                d0 = lane.describe()
+            out = hvd.grouped_allreduce([x * (r + 1) + i for x in xs], name="g", op=hvd.Sum)
+            for x, o in zip(xs, out):
+                assert torch.equal(o, x * 3 + 2 * i), (i, o)
+        d1 = lane.describe()
+        print(f"GROUP rank {r} batches {d1['batches'] - d0['batches']} "
+              f"fast {d1['fast_ops'] - d0['fast_ops']}", flush=True)
+        for i in range(30):
+            rows = torch.tensor([[r, (i + r) % 5]])
+            sp = torch.sparse_coo_tensor(rows.t(), torch.tensor([float(r + i)]), (2, 5))
+            got = hvd.sparse_allreduce_async(sp, name="emb", op=hvd.Sum)().to_dense()
+            want = torch.zeros(2, 5)
+            for q in range(n):
+                want[q, (i + q) % 5] += q + i
+            assert torch.equal(got, want), (i, got, want)
+        d2 = lane.describe()
+        print(f"SPARSE rank {r} fast {d2['fast_ops'] - d1['fast_ops']}", flush=True)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(20, 4, sparse=True),
+                                    torch.nn.Flatten(), torch.nn.Linear(8, 2))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), groups=1)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        for step in range(12):
+            opt.zero_grad()
+            model(torch.tensor([[r + step % 3, 7]])).sum().backward()
+            opt.step()
+        d3 = lane.describe()
+        w = model[2].weight.detach().reshape(1, -1)
+        same = torch.equal(hvd.allgather(w)[0], hvd.allgather(w)[-1])
+        print(f"OPT rank {r} fast {d3['fast_ops'] - d2['fast_ops']} same {same} "
+              f"off {d3['off']}", flush=True)
+        hora.shutdown()
+    """)
+    out = job.stdout + job.stderr
+    assert job.returncode == 0, out
+    for line in job.lines("GROUP"):  # 35 cached calls: one collective each, 10 ops each
+        assert line.endswith("batches 35 fast 350"), line
+    sparse = job.lines("SPARSE")
+    assert len(sparse) == 2 and all(int(s.split()[-1]) >= 50 for s in sparse), out
+    opt = job.lines("OPT")
+    assert len(opt) == 2, out
+    for line in opt:  # 12 steps x (1 sparse gradient: 2 allgathers, 1 group of 2 dense ones)
+        assert int(line.split()[4]) >= 30 and "same True off False" in line, line
+
+
+def test_rank_that_never_submits_a_group_member_fails_every_rank(tmp_path: Path) -> None:
+    job = _run_script(tmp_path, """
+        xs = [np.ones(4) for _ in range(3)]
+        for i in range(5):  # cached, in the lane
+            hora.grouped_allreduce(xs, name="grads", op=hora.Sum)
+        t0 = time.monotonic()
+        try:
+            hora.grouped_allreduce(xs if r == 0 else xs[:2], name="grads", op=hora.Sum)
+            print(f"NOERR rank {r}", flush=True)
+        except hora.HoraError as exc:
+            print(f"ERR rank {r} after {time.monotonic() - t0:.1f}s: {type(exc).__name__}: "
+                  f"{exc}", flush=True)
+        hora.shutdown()
+    """, env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "60"})
+    out = job.stdout + job.stderr
+    errors = job.lines("ERR")
+    assert len(errors) == 2 and not job.lines("NOERR"), out
+    for line in errors:
+        assert "DeadlockError" in line and _seconds(line) < 10, line
+        assert "grouped_allreduce.grads_1of3" in line and "grouped_allreduce.grads_1of2" in line
+
+
+def test_sparse_allreduce_waiting_for_a_rank_in_another_op_is_a_deadlock(tmp_path: Path) -> None:
+    """The sparse allreduce's handle reports its wait (its two allgathers), so a rank blocked
+    in it is seen by the deadlock detector."""
+    job = _run_script(tmp_path, """
+        import torch
+        import hora.torch as hvd
+
+        sp = torch.sparse_coo_tensor(torch.tensor([[r], [1]]), torch.tensor([1.0]), (2, 3))
+        for i in range(3):
+            hvd.sparse_allreduce_async(sp, name="emb", op=hvd.Sum)()
+        t0 = time.monotonic()
+        try:
+            if r == 0:
+                hvd.sparse_allreduce_async(sp, name="emb", op=hvd.Sum)()
+            else:
+                hvd.barrier()
+            print(f"NOERR rank {r}", flush=True)
+        except hora.HoraError as exc:
+            print(f"ERR rank {r} after {time.monotonic() - t0:.1f}s: {type(exc).__name__}: "
+                  f"{exc}", flush=True)
+        hora.shutdown()
+    """)
+    out = job.stdout + job.stderr
+    errors = job.lines("ERR")
+    assert len(errors) == 2 and not job.lines("NOERR"), out
+    for line in errors:
+        assert "DeadlockError" in line and _seconds(line) < 10, line
+        assert "allgather.emb.values" in line and "barrier" in line, line
+
+
+def test_rank_killed_mid_group_fails_the_survivor_fast(tmp_path: Path) -> None:
+    job = _run_script(tmp_path, """
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (see test_sigkilled_rank_fails_...)
+        xs = [np.full(256, float(r)) for _ in range(10)]
+        t0 = time.monotonic()
+        try:
+            for i in range(100000):
+                t0 = time.monotonic()
+                h = hora.grouped_allreduce_async(xs, name="g", op=hora.Sum)
+                if r == 1 and i == 40:  # its unit is logged: rank 0 starts the collective
+                    os.kill(os.getpid(), signal.SIGKILL)
+                out = hora.synchronize(h)
+                assert out[9][0] == 1.0, out[9][0]
+            print("NOERR", flush=True)
+        except hora.HoraError as exc:
+            print(f"ERR rank {r} at {i} after {time.monotonic() - t0:.1f}s: "
+                  f"{type(exc).__name__}: {exc}", flush=True)
+            sys.exit(3)
+    """, timeout=90)
+    out = job.stdout + job.stderr
+    assert job.returncode != 0 and not job.lines("NOERR"), out
+    errors = job.lines("ERR")
+    assert len(errors) == 1 and errors[0].startswith("ERR rank 0 at 40 "), out
+    assert _seconds(errors[0]) < 15 and "rank 1" in errors[0], errors[0]
