@@ -23,7 +23,8 @@ copies of one MLP on a fixed synthetic batch of ``--batch`` samples per rank, SG
 
 The machine's speed swings, so variants are interleaved in rounds (order rotated per round) and
 medians over rounds are reported. Samples/s counts both ranks (``size * batch * steps / time``
-on rank 0; ``fit`` synchronizes the ranks every step). Ratios are of the medians.
+on rank 0; ``fit`` synchronizes the ranks every step). Ratios are of the medians, and the median
+of the per-round ratios (robust to the machine's load drifting during the run).
 """
 
 from __future__ import annotations
@@ -131,20 +132,23 @@ def worker(args: argparse.Namespace) -> None:
     for variant in VARIANTS:  # trace and warm up
         run(variant, args.warmup)
     rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    load = [os.getloadavg()[0]]
     for r in range(args.rounds):
         order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
         for variant in order:
             rates[variant].append(size * args.batch * args.steps / run(variant, args.steps))
+    load.append(os.getloadavg()[0])
     weights = {v: float(sum(np.abs(w.numpy()).sum() for w in models[v].weights))
                for v in ("hora", "mwms")}
     everyone = hvd.allgather_object(weights)
     if rank == 0:
-        _report(args, size, models["hora"].count_params(), rates, everyone)
+        _report(args, size, models["hora"].count_params(), rates, everyone, load)
     hvd.shutdown()
 
 
 def _report(args: argparse.Namespace, size: int, n_params: int,
-            rates: dict[str, list[float]], everyone: list[dict[str, float]]) -> None:
+            rates: dict[str, list[float]], everyone: list[dict[str, float]],
+            load: list[float]) -> None:
     import keras
     import tensorflow as tf
 
@@ -152,13 +156,19 @@ def _report(args: argparse.Namespace, size: int, n_params: int,
     print(f"\nKeras model.fit step, {size} ranks x 1 thread, MLP 784-{args.hidden}-{args.hidden}"
           f"-10 ({n_params / 1e6:.2f} M params), batch {args.batch} per rank, SGD, "
           f"{args.rounds} rounds x {args.steps} steps")
-    print(f"tensorflow {tf.__version__}, keras {keras.__version__}")
+    print(f"tensorflow {tf.__version__}, keras {keras.__version__}; load average "
+          f"{load[0]:.1f} at the start, {load[1]:.1f} at the end")
     print(f"\n{'variant':>11} | {'samples/s':>10} {'min':>9} {'max':>9} | {'ms/step':>8}")
     for v in VARIANTS:
         print(f"{v:>11} | {med[v]:10.1f} {min(rates[v]):9.1f} {max(rates[v]):9.1f} | "
               f"{1000 * size * args.batch / med[v]:8.2f}")
-    print(f"\nhora/mwms samples/s: {med['hora'] / med['mwms']:.2f}x; "
-          f"hora/nosync: {med['hora'] / med['nosync']:.2f}x; "
+    def per_round(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(rates[a], rates[b]))
+
+    print(f"\nhora/mwms samples/s: {med['hora'] / med['mwms']:.2f}x "
+          f"(per-round median {per_round('hora', 'mwms'):.2f}x); "
+          f"hora/nosync: {med['hora'] / med['nosync']:.2f}x "
+          f"(per-round median {per_round('hora', 'nosync'):.2f}x); "
           f"mwms/nosync_loop: {med['mwms'] / med['nosync_loop']:.2f}x")
     same = {v: len({round(w[v], 3) for w in everyone}) == 1 for v in ("hora", "mwms")}
     print("replicas identical across ranks: "
