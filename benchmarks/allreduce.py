@@ -152,7 +152,7 @@ def worker_planes(planes: list[str], max_mib: int, rounds: int,
     import hora
 
     torch.set_num_threads(1)
-    sizes = [k * 1024 for k in sizes_kib] if sizes_kib else _sizes(max_mib)
+    sizes = list(dict.fromkeys(k * 1024 for k in sizes_kib)) if sizes_kib else _sizes(max_mib)
     bufs = {n: np.zeros(n // 4, np.float32) for n in sizes}  # zeros: sums never overflow
     mpi_comm = None
     if "mpi" in planes:

@@ -1,7 +1,8 @@
 """The external data planes (``--data-plane torch`` and ``mpi``) in real jobs: the numpy
 collective suite on each, a torch training run over the torch plane whose replicas agree, a
-SIGKILLed rank reported on every survivor of each, and the refusals. The mpi plane's jobs start under Open MPI's mpirun
-(``hora run --data-plane mpi``) and are skipped, saying why, without mpirun or mpi4py."""
+SIGKILLed rank reported on every survivor of each, and the refusals. The mpi plane's jobs
+start under Open MPI's mpirun (``hora run --data-plane mpi``) and are skipped, saying why,
+without mpirun or mpi4py."""
 
 from __future__ import annotations
 
