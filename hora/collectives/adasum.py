@@ -38,7 +38,8 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 """Dtypes Adasum accepts (a dot product of integers has no meaning here)."""
 
 DotSum = Callable[[np.ndarray], None]
-"""Sums a float64 array of 3 dot products, in place, over the ranks that share a vector."""
+"""Sums a float64 array of dot products (3 per tensor), in place, over the ranks that share the
+tensors."""
 
 
 def check_size(size: int, *, hosts: bool = False) -> None:
@@ -91,15 +92,29 @@ def check_set(hostnames: Sequence[str], hierarchical: bool | None) -> None:
         check_size(hosts, hosts=True)
 
 
-def _dots(a64: np.ndarray, b64: np.ndarray) -> np.ndarray:
-    return np.array([np.dot(a64, b64), np.dot(a64, a64), np.dot(b64, b64)], dtype=np.float64)
+def _dots(a64: np.ndarray, b64: np.ndarray, bounds: Sequence[int]) -> np.ndarray:
+    """``[a.b, a.a, b.b]`` of every segment ``bounds[t]:bounds[t + 1]``: shape (k, 3)."""
+    out = np.zeros((len(bounds) - 1, 3), dtype=np.float64)
+    for t in range(len(bounds) - 1):
+        lo, hi = bounds[t], bounds[t + 1]
+        if hi > lo:
+            a, b = a64[lo:hi], b64[lo:hi]
+            out[t] = (np.dot(a, b), np.dot(a, a), np.dot(b, b))
+    return out
 
 
-def _combine64(a64: np.ndarray, b64: np.ndarray, dots: np.ndarray) -> np.ndarray:
-    dot, anorm, bnorm = (float(x) for x in dots)
-    acoeff = 1.0 - dot / anorm * 0.5 if anorm >= NORM_FLOOR else 1.0
-    bcoeff = 1.0 - dot / bnorm * 0.5 if bnorm >= NORM_FLOOR else 1.0
-    out: np.ndarray = acoeff * a64 + bcoeff * b64
+def _combine64(a64: np.ndarray, b64: np.ndarray, dots: np.ndarray,
+               lengths: Sequence[int]) -> np.ndarray:
+    """``adasum`` of every segment (``lengths[t]`` elements each) with its ``dots[t]``."""
+    dot, anorm, bnorm = dots[:, 0], dots[:, 1], dots[:, 2]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        acoeff = np.where(anorm >= NORM_FLOOR, 1.0 - dot / anorm * 0.5, 1.0)
+        bcoeff = np.where(bnorm >= NORM_FLOOR, 1.0 - dot / bnorm * 0.5, 1.0)
+    if len(lengths) == 1:
+        out: np.ndarray = float(acoeff[0]) * a64 + float(bcoeff[0]) * b64
+        return out
+    out = np.repeat(acoeff, lengths) * a64
+    out += np.repeat(bcoeff, lengths) * b64
     return out
 
 
@@ -107,28 +122,39 @@ def combine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``adasum(a, b)`` in float64 (see the module docstring)."""
     a64 = a.astype(np.float64, copy=False)
     b64 = b.astype(np.float64, copy=False)
-    return _combine64(a64, b64, _dots(a64, b64))
+    return _combine64(a64, b64, _dots(a64, b64, [0, a64.size]), [a64.size])
 
 
-def adasum_allreduce(comm: Comm, buf: np.ndarray, *, dot_sum: DotSum | None = None) -> None:
+def adasum_allreduce(comm: Comm, buf: np.ndarray, *, counts: Sequence[int] | None = None,
+                     dot_sum: DotSum | None = None) -> None:
     """Replace ``buf`` (1-D, the same length on every rank) by the Adasum of every rank's
     ``buf``, in place.
 
     Args:
         comm: the ranks whose vectors are combined (2^k of them).
         buf: this rank's vector (or its shard of a vector, with ``dot_sum``).
-        dot_sum: None for whole vectors; else called at every level with this shard's three
-            dot products (float64) and must sum them, in place and identically, over the
-            ranks holding the vector's other shards. Every such rank calls this function,
-            even with an empty shard.
+        counts: the lengths of the tensors packed one after another in ``buf`` (a fused
+            buffer; zeros allowed); each is combined with its own coefficients. None: one.
+        dot_sum: None for whole vectors; else called at every level with this shard's dot
+            products (float64, ``[a.b, a.a, b.b]`` per tensor, flattened) and must sum them,
+            in place and identically, over the ranks holding the tensors' other shards. Every
+            such rank calls this function, even with an empty shard.
 
     Raises:
         NotImplementedError: the number of ranks is not a power of two.
+        ValueError: ``counts`` that do not add up to ``buf.size``.
     """
     size, rank = comm.size, comm.rank
     check_size(size)
+    lengths = [buf.size] if counts is None else [int(c) for c in counts]
+    if sum(lengths) != buf.size or min(lengths, default=0) < 0:
+        raise ValueError(f"Adasum counts {lengths} do not add up to the buffer's {buf.size} "
+                         "elements")
     if size == 1 or (buf.size == 0 and dot_sum is None):
         return
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
     other = np.empty_like(buf)
     d = 1
     while d < size:
@@ -138,10 +164,12 @@ def adasum_allreduce(comm: Comm, buf: np.ndarray, *, dot_sum: DotSum | None = No
         low, high = (buf, other) if rank < partner else (other, buf)
         a64 = low.astype(np.float64, copy=False)
         b64 = high.astype(np.float64, copy=False)
-        dots = _dots(a64, b64)
+        dots = _dots(a64, b64, bounds)
         if dot_sum is not None:
-            dot_sum(dots)
-        buf[...] = _combine64(a64, b64, dots).astype(buf.dtype, copy=False)
+            flat = dots.reshape(-1)
+            dot_sum(flat)
+            dots = flat.reshape(-1, 3)
+        buf[...] = _combine64(a64, b64, dots, lengths).astype(buf.dtype, copy=False)
         d <<= 1
 
 

@@ -26,6 +26,8 @@ Both work in place and leave identical bytes on every rank of the set.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hora.collectives._buffers import Array, check_array, even_counts, offsets
 from hora.collectives.adasum import FLOAT_DTYPES, adasum_allreduce, check_size
 from hora.collectives.allgather import allgather
@@ -58,7 +60,18 @@ def _local_sum(local: Local, buf: Array) -> None:
         allreduce(local, buf, ReduceOp.Sum, select_allreduce(buf.nbytes, local.size, "auto"))
 
 
-def shard_adasum(local: Local, cross: Comm | None, buf: Array, *, hosts: int) -> None:
+def _shard_counts(counts: Sequence[int] | None, total: int, lo: int, hi: int) -> list[int]:
+    """How many elements of each tensor (``counts``, packed in a buffer of ``total``) fall in
+    the shard ``[lo, hi)``."""
+    out, start = [], 0
+    for n in (total,) if counts is None else counts:
+        out.append(max(0, min(hi, start + n) - max(lo, start)))
+        start += n
+    return out
+
+
+def shard_adasum(local: Local, cross: Comm | None, buf: Array, *, hosts: int,
+                 counts: Sequence[int] | None = None) -> None:
     """Hierarchical Adasum of ``buf`` over ``local x cross`` ranks (see the module docstring),
     in place. Every host holds the same number of the set's ranks.
 
@@ -69,6 +82,8 @@ def shard_adasum(local: Local, cross: Comm | None, buf: Array, *, hosts: int) ->
             (None or 1 rank on a single host).
         buf: 1-D C-contiguous writable float buffer, the same length on every rank.
         hosts: the number of hosts (checked on every rank before any communication).
+        counts: the lengths of the tensors packed in ``buf`` (a fused buffer), each combined
+            with its own coefficients; None: ``buf`` is one tensor.
 
     Raises:
         NotImplementedError: ``hosts`` is not a power of two.
@@ -78,35 +93,37 @@ def shard_adasum(local: Local, cross: Comm | None, buf: Array, *, hosts: int) ->
     _check(buf, hosts)
     if buf.size == 0:
         return
-    counts = even_counts(buf.size, local.size)
-    bounds = offsets(counts)
+    shards = even_counts(buf.size, local.size)
+    bounds = offsets(shards)
     me = local.rank
     shard = buf[bounds[me]:bounds[me + 1]]
     if local.size > 1:
         if isinstance(local, ShmGroup):
-            local.reducescatter(buf, counts, ReduceOp.Sum, shard)
+            local.reducescatter(buf, shards, ReduceOp.Sum, shard)
         else:
-            reducescatter(local, buf, counts, ReduceOp.Sum, shard)
+            reducescatter(local, buf, shards, ReduceOp.Sum, shard)
         scale_inplace(shard, 1.0 / local.size)
     if cross is not None and cross.size > 1:
         adasum_allreduce(cross, shard,
+                         counts=_shard_counts(counts, buf.size, bounds[me], bounds[me + 1]),
                          dot_sum=(lambda dots: _local_sum(local, dots)) if local.size > 1
                          else None)
     if local.size > 1:
         if isinstance(local, ShmGroup):
-            local.allgather(shard, counts, buf)
+            local.allgather(shard, shards, buf)
         else:
-            allgather(local, shard, counts, buf)
+            allgather(local, shard, shards, buf)
 
 
-def leader_adasum(local: Local, cross: Comm | None, buf: Array, *, hosts: int) -> None:
+def leader_adasum(local: Local, cross: Comm | None, buf: Array, *, hosts: int,
+                  counts: Sequence[int] | None = None) -> None:
     """Hierarchical Adasum of ``buf``: average on this host, Adasum among one leader per host
     (local rank 0), broadcast from the leader on this host. In place; any ranks per host.
 
     Args:
         local: the set's ranks on this host; its rank 0 is the host's leader.
         cross: on leaders, the comm over every host's leader; None on the other ranks.
-        buf, hosts: as :func:`shard_adasum`.
+        buf, hosts, counts: as :func:`shard_adasum`.
 
     Raises:
         ValueError: ``cross`` given on a non-leader; a bad buffer.
@@ -123,7 +140,7 @@ def leader_adasum(local: Local, cross: Comm | None, buf: Array, *, hosts: int) -
         _local_sum(local, buf)
         scale_inplace(buf, 1.0 / local.size)
     if cross is not None and cross.size > 1:
-        adasum_allreduce(cross, buf)
+        adasum_allreduce(cross, buf, counts=counts)
     if local.size > 1:
         if isinstance(local, ShmGroup):
             local.broadcast(buf, 0)

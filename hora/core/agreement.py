@@ -72,10 +72,16 @@ class FusionKey(NamedTuple):
 
 
 def fusable(resp: Response) -> bool:
-    """Whether ``resp`` may be fused with others of its :class:`FusionKey` (by the coordinator
-    and in the fast lane): allreduces, except a joined set's (zeros stand in for the joined
-    ranks) and Adasum's (its coefficients are computed per tensor)."""
-    return resp.kind is OpKind.ALLREDUCE and not resp.joined and resp.op != _ADASUM
+    """Whether ``resp`` may be fused with others of its :class:`FusionKey` by the coordinator:
+    allreduces, except a joined set's (zeros stand in for the joined ranks). Fused Adasum
+    tensors keep their own coefficients (the executor passes their sizes), as Horovod's."""
+    return resp.kind is OpKind.ALLREDUCE and not resp.joined
+
+
+def lane_fusable(resp: Response) -> bool:
+    """Whether ``resp`` may run (and fuse) in the fast lane: :func:`fusable`, and not Adasum,
+    which runs on the set's TCP comm (the engine thread's), never on the lane's group."""
+    return fusable(resp) and resp.op != _ADASUM
 
 
 def fusion_key(resp: Response) -> FusionKey:

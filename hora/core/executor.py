@@ -212,8 +212,9 @@ class Executor:
                 buf = out.reshape(-1)
             else:
                 self._tl.activity_start_all(resp.names, MEMCPY_IN_FUSION_BUFFER)
-                staged = route.staging(total * dtype.itemsize)  # shared memory: packing is
-                buf = (staged.view(dtype) if staged is not None  # the only copy
+                staged = (route.staging(total * dtype.itemsize)  # shared memory: packing is
+                          if resp.op != ReduceOp.Adasum else None)  # the only copy (not Adasum's)
+                buf = (staged.view(dtype) if staged is not None
                        else self._fusion_view(dtype, total))
                 offset = 0
                 for entry, n in zip(local, sizes):
@@ -230,7 +231,8 @@ class Executor:
             if recording:
                 self._tl.activity_start_all(resp.names,
                                             collective_activity(route.name, resp.kind))
-            route.allreduce(buf, _OPS[resp.op], self._scratch_for(buf))
+            route.allreduce(buf, _OPS[resp.op], self._scratch_for(buf),  # Adasum: per tensor
+                            counts=sizes if resp.op == ReduceOp.Adasum and not single else None)
             scale_inplace(buf, postscale)
             if not single and recording:
                 self._tl.activity_start_all(resp.names, MEMCPY_OUT_FUSION_BUFFER)

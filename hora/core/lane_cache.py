@@ -21,8 +21,8 @@ from hora.core.agreement import (
     FusionKey,
     Signature,
     agrees,
-    fusable,
     fusion_key,
+    lane_fusable,
     response_signature,
 )
 from hora.core.entry import Entry
@@ -92,7 +92,7 @@ class SlotCache:
                 self._add(resp.names[0], OpKind.ALLGATHER, response_signature(resp), dims,
                           row, None)
             return
-        if not fusable(resp):  # (Adasum runs on the set's TCP comm: never in the lane)
+        if not lane_fusable(resp):
             return
         itemsize = to_dtype(resp.dtype).itemsize
         fusion = fusion_key(resp)

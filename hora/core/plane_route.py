@@ -109,11 +109,12 @@ class PlaneRoute(Route):
         return ""
 
     # ---- collectives -------------------------------------------------------------------------
-    def allreduce(self, buf: np.ndarray, op: ReduceOp, scratch: np.ndarray) -> None:
+    def allreduce(self, buf: np.ndarray, op: ReduceOp, scratch: np.ndarray,
+                  counts: Sequence[int] | None = None) -> None:
         name = self._reduction(buf, op, "allreduce")
         if not name:
             why = "Adasum" if op is ReduceOp.Adasum else f"{op.name} allreduce of {buf.dtype}"
-            self._fallback(why).allreduce(buf, op, scratch)
+            self._fallback(why).allreduce(buf, op, scratch, counts)
             return
         self._run(self._plane.allreduce(buf, name), "allreduce")
 

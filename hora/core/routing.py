@@ -119,16 +119,18 @@ class Route:
             return self.group.staging(nbytes)
         return None
 
-    def allreduce(self, buf: np.ndarray, op: ReduceOp, scratch: np.ndarray) -> None:
+    def allreduce(self, buf: np.ndarray, op: ReduceOp, scratch: np.ndarray,
+                  counts: Sequence[int] | None = None) -> None:
         """Reduce ``buf`` in place over this route (Adasum: hierarchical when the route is,
-        else over the set's comm, flat: :mod:`hora.collectives.hierarchical_adasum`)."""
+        else over the set's comm, flat: :mod:`hora.collectives.hierarchical_adasum`; each of
+        the tensors packed in ``buf``, ``counts`` elements each, with its own coefficients)."""
         if op is ReduceOp.Adasum:
             if self.scheme is DataPath.SHARD and self._local is not None:
-                shard_adasum(self._local, self._cross, buf, hosts=self._hosts)
+                shard_adasum(self._local, self._cross, buf, hosts=self._hosts, counts=counts)
             elif self.scheme is DataPath.LEADER and self._local is not None:
-                leader_adasum(self._local, self._cross, buf, hosts=self._hosts)
+                leader_adasum(self._local, self._cross, buf, hosts=self._hosts, counts=counts)
             else:
-                adasum_allreduce(self.comm, buf)
+                adasum_allreduce(self.comm, buf, counts=counts)
         elif self.group is not None and self._shm_fits(buf.nbytes):
             self.group.allreduce(buf, op)
         elif self.scheme is DataPath.SHARD and self._local is not None:

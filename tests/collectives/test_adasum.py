@@ -77,3 +77,39 @@ def test_adasum_refuses_a_rank_count_that_is_not_a_power_of_two(fake_world: Any)
         return str(info.value)
 
     assert all("HINT: use op=Average" in m for m in fake_world(3, body))  # on every rank
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_fused_tensors_keep_their_own_coefficients(fake_world: Any, n: int,
+                                                   dtype: str) -> None:
+    """Tensors packed in one buffer (``counts``, empty ones too) give, bit for bit, what each
+    gives alone: every tensor combines with its own dot products."""
+    dt = to_dtype(dtype)
+    rng = np.random.default_rng(3)
+    counts = [5, 0, 17, 1, 40]
+    tensors = [[(rng.standard_normal(c) * (1 + 5 * t * r) + t).astype(dt) for t, c in
+                enumerate(counts)] for r in range(n)]
+
+    def body(comm: Any) -> tuple[np.ndarray, list[np.ndarray]]:
+        fused = np.concatenate(tensors[comm.rank])
+        adasum_allreduce(comm, fused, counts=counts)
+        alone = []
+        for t in tensors[comm.rank]:
+            buf = t.copy()
+            adasum_allreduce(comm, buf)
+            alone.append(buf)
+        return fused, alone
+
+    for fused, alone in fake_world(n, body):
+        assert fused.tobytes() == np.concatenate(alone).tobytes()
+    whole = reference([np.concatenate(tensors[r]).astype(np.float64) for r in range(n)])
+    assert not np.allclose(np.concatenate(alone).astype(np.float64), whole, rtol=1e-3)
+
+
+def test_counts_must_add_up(fake_world: Any) -> None:
+    def body(comm: Any) -> None:
+        with pytest.raises(ValueError, match=r"counts \[2, 2\] do not add up to the buffer's 5"):
+            adasum_allreduce(comm, np.ones(5), counts=[2, 2])
+
+    fake_world(2, body)

@@ -143,3 +143,27 @@ def test_which_sets_run_hierarchically() -> None:
         check_set(["a", "a", "b", "c"], None)
     with pytest.raises(NotImplementedError, match="non-power of 2 ranks .* has 3 ranks"):
         check_set(["a", "b", "c"], None)
+
+
+@pytest.mark.parametrize(("layout", "scheme"), [([2, 2], "shard"), ([3, 3], "shard"),
+                                                ([3, 1], "leader")])
+def test_fused_tensors_across_hosts(job_id: str, layout: list[int], scheme: str) -> None:
+    """A fused buffer whose tensors straddle the host shards: each tensor is combined with its
+    own whole-tensor coefficients, as when it is reduced alone."""
+    hostnames = _hostnames(layout)
+    n, hosts = len(hostnames), _hosts(hostnames)
+    counts = [7, 0, 1, 30, 4]
+    inputs = [[_inputs(n, "float64", c, seed=10 + t)[r] if c else np.empty(0)
+               for t, c in enumerate(counts)] for r in range(n)]
+    fn = shard_adasum if scheme == "shard" else leader_adasum
+
+    def body(local: Any, cross: Any, rank: int) -> np.ndarray:
+        buf = np.concatenate(inputs[rank])
+        fn(local, cross, buf, hosts=len(hosts), counts=counts)
+        return buf
+
+    results = run_hosts(hostnames, job_id, body, scheme=scheme, local_kind="shm")
+    want = np.concatenate([_expected([inputs[r][t] for r in range(n)], hosts) if c else
+                           np.empty(0) for t, c in enumerate(counts)])
+    for rank, got in enumerate(results):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=f"rank {rank}")
