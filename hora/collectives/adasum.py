@@ -20,7 +20,8 @@ so the coefficients are those of the whole vector, as Horovod's reduction commun
 
 A rank count that is not a power of two is refused, as Horovod does (``NotImplementedError``).
 Collective layer: works on one numpy buffer over the :class:`~hora.collectives.comm.Comm`
-protocol; the engine never fuses two tensors into one Adasum (coefficients are per tensor).
+protocol; a fused buffer of several tensors passes their sizes (``counts``), and each tensor
+keeps its own coefficients, as in Horovod's fused Adasum.
 """
 
 from __future__ import annotations
