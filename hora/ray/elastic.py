@@ -31,7 +31,7 @@ from hora.errors import DiscoveryError, ElasticError, HoraInternalError, RankFai
 from hora.ray import environment, gather
 from hora.ray.discovery import RayHostDiscovery
 from hora.ray.settings import ElasticSettings, create_elastic_settings
-from hora.ray.spawner import RaySpawner, RayWorker
+from hora.ray.spawner import STOPPED, RaySpawner, RayWorker
 from hora.ray.worker import ElasticCall
 from hora.runner.api import RemoteTraceback
 from hora.runner.elastic.driver import ElasticDriver
@@ -189,7 +189,7 @@ class ElasticRayExecutor:
                     spawner.callback_error = spawner.callback_error or exc
         if spawner.callback_error is not None:
             raise spawner.callback_error
-        return outcome(spawner.workers(), status, driver.failure)
+        return outcome(spawner, status, driver.failure)
 
     def __repr__(self) -> str:
         return (f"ElasticRayExecutor(min_num_proc={self.settings.min_num_proc}, "
@@ -247,8 +247,9 @@ class ElasticMode:
             "Horovod)")
 
 
-def outcome(workers: list[RayWorker], status: int, failure: str | None) -> list[Any]:
+def outcome(spawner: RaySpawner, status: int, failure: str | None) -> list[Any]:
     """The final generation's values in rank order (``status`` 0), else the error to raise."""
+    workers = spawner.workers()
     finished = [w.outcome for w in workers if w.outcome and w.outcome[0] == "result"]
     if status == 0 and finished:
         last = max(o[2] for o in finished)
@@ -266,11 +267,29 @@ def outcome(workers: list[RayWorker], status: int, failure: str | None) -> list[
     for worker in ended:  # the first error of the workers' own (not a consequence)
         if worker.outcome is not None and worker.outcome[0] == "error":
             _reraise(worker, reason)
-    dead = [w for w in ended if w.outcome is not None and w.outcome[0] == "ray"]
-    if failure is None and dead:
-        raise RankFailedError(f"hora.ray: elastic worker {dead[0].wid} on {dead[0].host} "
-                              f"failed after training finished: {dead[0].outcome}")
-    raise ElasticError(f"hora.ray: the elastic job failed: {reason}")
+    failed = [f"worker {w.wid} on {w.host} {spawner.describe_exit(w.wid, 1)}" for w in ended
+              if _own_failure(w)]
+    if failure is None and failed:
+        raise RankFailedError(f"hora.ray: elastic {failed[0]} after training had finished "
+                              "elsewhere")
+    failed = spawner.start_errors + failed
+    more = f" ({len(failed) - 3} more in the log)" if len(failed) > 3 else ""
+    raise ElasticError(f"hora.ray: the elastic job failed: {reason}"
+                       + (f". The first workers' failures: {'; '.join(failed[:3])}{more}"
+                          if failed else ""))
+
+
+def _own_failure(worker: RayWorker) -> bool:
+    """Whether ``worker`` failed of its own (not stopped by the driver, not told the job
+    failed)."""
+    outcome = worker.outcome
+    if outcome is None or worker.note == STOPPED:
+        return False
+    if outcome[0] == "exit":
+        return int(outcome[1]) != 0
+    if outcome[0] == "error":
+        return not str(outcome[3].get("type", "")).endswith(("ElasticError", "InternalError"))
+    return outcome[0] == "ray"
 
 
 def _reraise(worker: RayWorker, reason: str) -> None:

@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05
 """How often the watcher looks at the workers (and drains the callbacks)."""
 
+STOPPED = "was stopped after it was told to leave"
+"""The note of a worker the driver stopped (not a failure of its own)."""
+
 EXIT_GRACE_S = 5.0
 """Seconds finished workers get to exit cleanly when the job ends, before they are killed."""
 
@@ -120,6 +123,8 @@ class RaySpawner:
         self._shared: Any = None
         self._watcher: threading.Thread | None = None
         self._broken = ""
+        self.start_errors: list[str] = []
+        """``worker W on HOST: why`` for each worker that could not be started."""
 
     # ---- the Spawner protocol ------------------------------------------------------------------
 
@@ -137,9 +142,13 @@ class RaySpawner:
         return str(ray.util.get_node_ip_address())
 
     def start(self, wid: int, host: str, env: Mapping[str, str]) -> RayWorker:
-        if self._broken:
-            raise SpawnError(f"hora.ray: cannot start worker {wid}: {self._broken}", 1)
-        node_id, options = self._placement(host)
+        try:
+            if self._broken:
+                raise SpawnError(f"hora.ray: cannot start worker {wid}: {self._broken}", 1)
+            node_id, options = self._placement(host)
+        except SpawnError as exc:
+            self.start_errors.append(f"worker {wid} on {host}: {exc.message}")
+            raise
         env = {**env, "HORA_LAUNCHER": environment.LAUNCHER_NAME}
         for name in ("HORA_LAUNCHER_PID", "PYTHONUNBUFFERED"):  # the driver's; Ray's business
             env.pop(name, None)
@@ -179,7 +188,7 @@ class RaySpawner:
 
     def stop(self, handle: Any) -> None:
         """Kill the worker's actor (it was told to leave and did not)."""
-        handle.note = handle.note or "was stopped after it was told to leave"
+        handle.note = handle.note or STOPPED
         _kill(handle.actor)
 
     def close(self, handles: Sequence[Any]) -> None:

@@ -13,6 +13,7 @@ the test fails with the reason instead of hanging.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -31,13 +32,15 @@ pytestmark = [needs_ray, pytest.mark.timeout(240)]
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    """A Ray head with 1 CPU; tests add (and remove) their own nodes."""
+    """A Ray head with 1 CPU (and a ``node:fake-a`` resource, a host name for a discovery of
+    one's own, as in Horovod's tests); tests add (and remove) their own nodes."""
     ray = pytest.importorskip("ray", reason="ray is not importable")
     from ray.cluster_utils import Cluster
 
     if ray.is_initialized():
         ray.shutdown()
-    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    made = Cluster(initialize_head=True,
+                   head_node_args={"num_cpus": 1, "resources": {"node:fake-a": 1}})
     try:
         ray.init(address=made.address, log_to_driver=False, configure_logging=False)
         ray.cloudpickle.register_pickle_by_value(ray_elastic_jobs)
@@ -231,9 +234,12 @@ def test_below_min_num_proc_after_the_elastic_timeout_raises(cluster: Any,
             job.thread.join(30)  # it must fail meanwhile: the test stops it only after that
             failed_after = time.monotonic() - removed
         stop.touch()
-        with pytest.raises(ElasticError, match=r"only 1 worker\(s\) \(worker 0 on .*\) were "
-                                               r"ready, fewer than min_num_proc 2, for 15 s "
-                                               r"\(elastic_timeout\)"):
+        with pytest.raises(ElasticError, match=r"only 1 worker\(s\) \(worker [01] on .*\) "
+                                               r"were ready, fewer than min_num_proc 2, for 15 "
+                                               r"s \(elastic_timeout\).*The first workers' "
+                                               r"failures: worker [01] on .* died: its actor is "
+                                               r"gone \(The actor died because its node has "
+                                               r"died\)"):
             job.result(30)
     finally:
         stop.touch()
@@ -253,6 +259,38 @@ def test_a_worker_error_that_ends_the_job_is_raised(cluster: Any) -> None:
     assert "blacklisted" in notes, notes  # the job's reason: its one host failed twice
     assert isinstance(info.value.__cause__, RemoteTraceback)
     assert "bad_hyperparameter" in info.value.__cause__.text
+
+
+class FixedHosts:
+    """A discovery of one's own (``override_discovery=False``)."""
+
+    def __init__(self, hosts: dict[str, int]) -> None:
+        self.hosts = hosts
+
+    def find_available_hosts_and_slots(self) -> dict[str, int]:
+        return dict(self.hosts)
+
+
+def test_a_discovery_of_ones_own_places_workers_or_says_why_not(cluster: Any,
+                                                               tmp_path: Path) -> None:
+    from hora.errors import ElasticError
+    from hora.ray import ElasticRayExecutor
+
+    stop = tmp_path / "stop"
+    stop.touch()
+    for hosts in ({"fake-a": 1}, {"nowhere": 1}):
+        settings = ElasticRayExecutor.create_settings(min_num_proc=1, elastic_timeout=30)
+        settings.discovery = FixedHosts(hosts)
+        job = ElasticRayExecutor(settings, override_discovery=False, env_vars=WORKER_ENV)
+        job.start()
+        run = functools.partial(ray_elastic_jobs.numpy_train_until_stopped, str(stop), 0.0)
+        if "fake-a" in hosts:  # placed by the node:fake-a resource
+            assert [r["step"] for r in job.run(run)] == [5]
+            continue
+        with pytest.raises(ElasticError, match=r"every host that ran workers is blacklisted.*"
+                                               r"worker 0 on nowhere: hora.ray: host 'nowhere' "
+                                               r"\(from the host discovery\) is not a Ray node"):
+            job.run(run)
 
 
 def test_settings_and_arguments_are_checked() -> None:
