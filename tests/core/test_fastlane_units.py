@@ -321,3 +321,17 @@ def _eventually_done(h: Handle, seconds: float = WAIT) -> bool:
     while time.monotonic() < end and not h.done():
         time.sleep(0.01)
     return h.done()
+
+
+def test_automatic_names_are_not_cached(world: Any) -> None:
+    """``<op>.noname.<n>`` never recurs (object collectives make one per call): caching it
+    would only use up HOROVOD_CACHE_CAPACITY."""
+    w = world(2, cache_capacity=4)
+    for i in range(6):
+        _wait_all([_unit(w, r, [f"allgather_object.noname.{i}.size"], [np.ones((1, 1))],
+                         OpKind.ALLGATHER) for r in range(2)])
+        _wait_all([w.submit(r, f"allreduce.noname.{i}", np.ones(2), op=SUM) for r in range(2)])
+    assert _stat(w, "slots") == [0, 0]
+    for _ in range(3):  # a named op still finds room
+        _wait_all([w.submit(r, "named", np.ones(2), op=SUM) for r in range(2)])
+    assert _stat(w, "slots") == [1, 1] and min(_stat(w, "fast_ops")) >= 1
