@@ -27,15 +27,13 @@ from hora.core.agreement import (
 )
 from hora.core.entry import Entry
 from hora.core.messages import OpKind, Response
+from hora.core.naming import is_automatic
 from hora.core.routing import Route
 
 MAX_BYTES = 4 * 1024 * 1024
 """Largest allreduce (and fused batch, and allgather result) the lane runs. Above it the
 coordinator's round trip is a few percent of the op, and the negotiated path measured faster at
 16 MiB in benchmarks/allreduce.py (6.3 ms against 7.4-9.0 ms through the lane)."""
-
-AUTOMATIC = ".noname."
-"""In every automatic op name (``<op>.noname.<n>``): such names are not cached."""
 
 MAX_ROWS = 0xFFFFFFFF
 """An allgather's first dimension must fit its board word to be a hit."""
@@ -108,8 +106,8 @@ class SlotCache:
 
     def _add(self, name: str, kind: OpKind, signature: Signature, shape: tuple[int, ...],
              nbytes: int, fusion: FusionKey | None) -> None:
-        if AUTOMATIC in name:  # an automatic name never recurs (hora.core.naming): a slot for
-            return  # it would only use up the capacity (object collectives make one per call)
+        if is_automatic(name):  # it never recurs: a slot for it would only use up the capacity
+            return  # (an object collective makes one per call)
         old = self._by_name.get(name)
         if old is None and len(self.slots) >= self._capacity:
             return  # full: like Horovod's cache at capacity, new names are negotiated

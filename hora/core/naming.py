@@ -26,6 +26,13 @@ import threading
 _AUTO = re.compile(r"^([A-Za-z_]+)\.noname\.(\d+)(?:$|[._])")
 
 
+def is_automatic(name: str) -> bool:
+    """Whether ``name`` is an automatic name (``<prefix>.noname.<n>...``, made by
+    :class:`AutoNames`): it never recurs. (A name the caller chose that merely contains
+    ``noname``, as ``DistributedOptimizer``'s defaults for unnamed parameters, is not.)"""
+    return _AUTO.match(name) is not None
+
+
 class AutoNames:
     """Counters for automatic op names, per (process set, op prefix). Thread-safe."""
 

@@ -332,6 +332,9 @@ def test_automatic_names_are_not_cached(world: Any) -> None:
                          OpKind.ALLGATHER) for r in range(2)])
         _wait_all([w.submit(r, f"allreduce.noname.{i}", np.ones(2), op=SUM) for r in range(2)])
     assert _stat(w, "slots") == [0, 0]
-    for _ in range(3):  # a named op still finds room
-        _wait_all([w.submit(r, "named", np.ones(2), op=SUM) for r in range(2)])
-    assert _stat(w, "slots") == [1, 1] and min(_stat(w, "fast_ops")) >= 1
+    # names chosen by the caller are cached, even DistributedOptimizer's for unnamed parameters
+    for name in ("named", "allreduce.allreduce.noname.0.1", "grouped_allreduce.allreduce."
+                 "noname.0.0_1of2"):
+        for _ in range(3):
+            _wait_all([w.submit(r, name, np.ones(2), op=SUM) for r in range(2)])
+    assert _stat(w, "slots") == [3, 3] and min(_stat(w, "fast_ops")) >= 3
