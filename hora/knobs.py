@@ -133,8 +133,9 @@ KNOBS: tuple[Knob, ...] = (
        alias=False, choices=("auto", "ring", "small", "star")),
     _k("data_plane", str, "builtin", "--data-plane",
        "hora-only: the engine that moves the bytes of the data collectives: 'builtin' (hora's "
-       "own: shared memory within a host, TCP across hosts; the default, and the fastest "
-       "measured on one host), 'torch' (a torch.distributed gloo process group built from "
+       "own: shared memory within a host, TCP across hosts; the default: on one host the "
+       "fastest measured for small and for very large allreduces), 'torch' (a "
+       "torch.distributed gloo process group built from "
        "hora's rendezvous), or 'mpi' (mpi4py over the system MPI; ranks started by mpirun or "
        "`hora run --data-plane mpi`). Negotiation, fusion, checks and failure detection stay "
        "hora's; see docs/data-planes.md.", alias=False, choices=("builtin", "torch", "mpi")),
