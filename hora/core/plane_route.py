@@ -186,7 +186,8 @@ def build_plane_route(world: Comm, ranks: Sequence[int], comm: Comm, hostnames: 
                                config.timeout_seconds)
         scope = f"hora.plane.{job_id}.{set_id}.{token.tobytes().hex()}"
         try:
-            plane = TorchPlane.create(client, scope, comm.rank, comm.size, config.timeout_seconds)
+            plane = TorchPlane.create(client, scope, comm.rank, comm.size, config.timeout_seconds,
+                                      config.gloo_iface)
         except BaseException:
             client.close()
             raise

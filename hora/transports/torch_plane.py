@@ -24,6 +24,7 @@ numpy, never copied (``torch.from_numpy``; bfloat16 through an int16 view). gloo
 from __future__ import annotations
 
 import datetime
+import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -101,13 +102,22 @@ def store_class() -> type:
     return _STORE_CLASS
 
 
-def make_group(backend: str, store: Any, rank: int, size: int, timeout: float) -> Any:
+def make_group(backend: str, store: Any, rank: int, size: int, timeout: float,
+               iface: str = "") -> Any:
     """A process group of ``backend`` (``"gloo"`` or ``"nccl"``) over ``store`` (collective
-    over its ``size`` members). NCCL is untested here (no GPU)."""
+    over its ``size`` members); gloo binds to network interface ``iface`` when given (else
+    ``GLOO_SOCKET_IFNAME``, else the address of the host name, as torch does). NCCL is untested
+    here (no GPU)."""
     dist = import_torch()
     limit = datetime.timedelta(seconds=timeout)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, limit)
+        iface = iface or os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+        if not iface:
+            return dist.ProcessGroupGloo(store, rank, size, limit)
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(interface=iface)]
+        options._timeout = limit
+        return dist.ProcessGroupGloo(store, rank, size, options)
     if backend == "nccl":
         if not dist.is_nccl_available():
             raise ConfigError("CUDA tensors on the torch data plane need NCCL, which this "
@@ -125,7 +135,7 @@ class TorchPlane:
     name = "torch"
 
     def __init__(self, client: KVStoreClient, scope: str, rank: int, size: int,
-                 timeout: float) -> None:
+                 timeout: float, iface: str = "") -> None:
         self._dist = import_torch()
         import torch
 
@@ -133,19 +143,21 @@ class TorchPlane:
         self._client, self._scope = client, scope
         self.rank, self.size = rank, size
         self._timeout = timeout
+        self._iface = iface
         self._groups: dict[str, Any] = {}
         self.bell = Doorbell()
 
     @classmethod
     def create(cls, client: KVStoreClient, scope: str, rank: int, size: int,
-               timeout: float) -> TorchPlane:
-        """Build the set's host-memory (gloo) group: collective over the set's members.
+               timeout: float, iface: str = "") -> TorchPlane:
+        """Build the set's host-memory (gloo) group: collective over the set's members
+        (``iface``: the network interface gloo binds, ``HORA_GLOO_IFACE``).
 
         Raises:
             ConfigError: PyTorch or torch.distributed is missing.
             RendezvousError: the members did not all meet within the timeout.
         """
-        plane = cls(client, scope, rank, size, timeout)
+        plane = cls(client, scope, rank, size, timeout, iface)
         plane._group("cpu")
         return plane
 
@@ -155,7 +167,8 @@ class TorchPlane:
             backend = "gloo" if device == "cpu" else "nccl"
             store = store_class()(self._client, f"{self._scope}.{backend}", self._timeout)
             try:
-                group = make_group(backend, store, self.rank, self.size, self._timeout)
+                group = make_group(backend, store, self.rank, self.size, self._timeout,
+                                   self._iface)
             except RuntimeError as exc:
                 raise RendezvousError(f"the torch data plane's {backend} group of {self.size} "
                                       f"ranks could not be built: {exc}") from exc
