@@ -101,8 +101,8 @@ class PlaneRoute(Route):
     def _run(self, ticket: Ticket, what: str) -> None:
         self._watch.wait(ticket, self._plane.bell, what)
 
-    def _reduction(self, buf: np.ndarray, op: ReduceOp, what: str) -> str:
-        """The plane's op name, or '' when ``what`` of ``buf`` must run on the builtin path."""
+    def _reduction(self, buf: np.ndarray, op: ReduceOp) -> str:
+        """The plane's op name, or '' when reducing ``buf`` must run on the builtin path."""
         name = reduce_name(op)
         if name and self._plane.reduces(buf.dtype, name):
             return name
@@ -111,7 +111,7 @@ class PlaneRoute(Route):
     # ---- collectives -------------------------------------------------------------------------
     def allreduce(self, buf: np.ndarray, op: ReduceOp, scratch: np.ndarray,
                   counts: Sequence[int] | None = None) -> None:
-        name = self._reduction(buf, op, "allreduce")
+        name = self._reduction(buf, op)
         if not name:
             why = "Adasum" if op is ReduceOp.Adasum else f"{op.name} allreduce of {buf.dtype}"
             self._fallback(why).allreduce(buf, op, scratch, counts)
@@ -135,7 +135,7 @@ class PlaneRoute(Route):
 
     def reducescatter(self, buf: np.ndarray, counts: Sequence[int], op: ReduceOp,
                       out: np.ndarray, scratch: np.ndarray) -> None:
-        name = self._reduction(buf, op, "reducescatter")
+        name = self._reduction(buf, op)
         if not name:
             self._fallback(f"{op.name} reducescatter of {buf.dtype}").reducescatter(
                 buf, counts, op, out, scratch)
