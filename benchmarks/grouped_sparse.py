@@ -9,13 +9,16 @@ Each job (``hora run -np N``, one torch thread per rank) measures, interleaved i
 (A B A B ...) within the job:
 
 * ``grouped``: ``hvd.grouped_allreduce`` of ``--tensors`` float32 tensors of ``--kib`` KiB each
-  (Sum); ``async``: the same through ``grouped_allreduce_async`` + ``synchronize`` (how
+  (Sum); ``neg``: the same under a new name each call, so never cached: always negotiated
+  with rank 0 (the path the fast lane replaces, measured in the same job); ``async``: the
+  same as ``grouped`` through ``grouped_allreduce_async`` + ``synchronize`` (how
   ``DistributedOptimizer(groups=...)`` runs them); against gloo doing the same work two ways:
   one ``all_reduce`` per tensor (``gloo x10``), and DDP's way, flatten into one buffer, one
   ``all_reduce``, unflatten (``gloo flat``);
 * ``sparse``: ``hvd.sparse_allreduce_async(g, op=Sum)()`` of an embedding gradient (``--nnz``
-  rows of a ``--rows`` x ``--dim`` float32 table), against gloo's sparse ``all_reduce`` of the
-  same COO tensor (it, too, gathers indices and values).
+  rows of a ``--rows`` x ``--dim`` float32 table; ``sparse neg``: a new name each call),
+  against gloo's sparse ``all_reduce`` of the same COO tensor (it, too, gathers indices and
+  values).
 
 Reported per job: the median time per call (each rank's median, the slowest rank's), and for
 hora how many collectives one grouped call took in the fast lane. Jobs of the variants
@@ -38,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-OPS = ("grouped", "async", "gloo x10", "gloo flat", "sparse", "gloo sparse")
+OPS = ("grouped", "neg", "async", "gloo x10", "gloo flat", "sparse", "sparse neg", "gloo sparse")
 
 
 def _free_port() -> int:
@@ -73,6 +76,11 @@ def worker(args: argparse.Namespace) -> None:
     def grouped() -> None:
         hvd.grouped_allreduce(tensors, name="bench.grouped", op=hvd.Sum)
 
+    fresh = iter(range(10 ** 9))
+
+    def grouped_negotiated() -> None:  # a new name each call: never cached, always negotiated
+        hvd.grouped_allreduce(tensors, name=f"bench.neg.{next(fresh)}", op=hvd.Sum)
+
     def grouped_async() -> None:  # what DistributedOptimizer's groups do: start, wait later
         hvd.synchronize(hvd.grouped_allreduce_async(tensors, name="bench.async", op=hvd.Sum))
 
@@ -89,12 +97,15 @@ def worker(args: argparse.Namespace) -> None:
     def hora_sparse() -> None:
         hvd.sparse_allreduce_async(sparse, name="bench.sparse", op=hvd.Sum)()
 
+    def sparse_negotiated() -> None:
+        hvd.sparse_allreduce_async(sparse, name=f"bench.neg.{next(fresh)}", op=hvd.Sum)()
+
     def gloo_sparse() -> None:
         dist.all_reduce(sparse.clone())
 
-    fns = {"grouped": grouped, "async": grouped_async, "gloo x10": gloo_each,
-           "gloo flat": gloo_flat,
-           "sparse": hora_sparse, "gloo sparse": gloo_sparse}
+    fns = {"grouped": grouped, "neg": grouped_negotiated, "async": grouped_async,
+           "gloo x10": gloo_each, "gloo flat": gloo_flat, "sparse": hora_sparse,
+           "sparse neg": sparse_negotiated, "gloo sparse": gloo_sparse}
     times: dict[str, list[float]] = {op: [] for op in OPS}
     for fn in fns.values():  # warm up (the first hora call of a name is negotiated)
         for _ in range(3):
@@ -184,6 +195,13 @@ def main() -> None:
     for v, row in summary.items():
         print(f"{v:>8} | " + " | ".join(f"{row[op]:11.1f}" for op in OPS))
     lane: Any = summary["lane"]
+    print("cached vs negotiated in each job (same job, interleaved; x = times faster):")
+    for v, runs in results.items():
+        if v != "nolane":
+            print(f"{v:>8}: grouped " + ", ".join(f"{r['neg'] / r['grouped']:.2f}x" for r in runs)
+                  + "; sparse " + ", ".join(f"{r['sparse neg'] / r['sparse']:.2f}x" for r in runs)
+                  + "; hora grouped vs gloo flat "
+                  + ", ".join(f"{r['gloo flat'] / r['grouped']:.2f}x" for r in runs))
     for v in variants[1:]:
         print(f"lane vs {v}: grouped {summary[v]['grouped'] / lane['grouped']:.2f}x faster, "
               f"async {summary[v]['async'] / lane['async']:.2f}x, "
