@@ -183,6 +183,14 @@ class RaySpawner:
                 return worker.note
             if isinstance(error, RayActorError):
                 return f"died: its actor is gone ({actor_death(error)})"
+            cause = getattr(error, "cause", None)
+            if isinstance(cause, BaseException):  # RayTaskError: e.g. fn did not unpickle
+                text = f"{type(cause).__name__}: {_first_line(str(cause))}"
+                if isinstance(cause, ImportError):
+                    text += (" (HINT: a function of a module travels by reference: the module "
+                             "must import on the workers, or register it with ray.cloudpickle"
+                             ".register_pickle_by_value(module))")
+                return f"failed in Ray: {text}"
             return f"failed in Ray: {_first_line(str(error))}"
         return exit_text(status) + (" (sys.exit)" if outcome[0] == "exit" else "")
 
