@@ -108,9 +108,9 @@ KNOBS: tuple[Knob, ...] = (
        "with it. hora's engine is event-driven, so 0 (the default) means 'respond at once'; "
        "Horovod polls every 1 ms."),
     _k("cache_capacity", int, 1024, "--cache-capacity",
-       "Response cache entries per process set: allreduces negotiated once run again without "
-       "rank 0's round trip (the shared-memory fast lane, ranks on one host). 0 negotiates "
-       "every op."),
+       "Response cache entries per process set: allreduces and allgathers (grouped and sparse "
+       "ones included) negotiated once run again without rank 0's round trip (the "
+       "shared-memory fast lane, ranks on one host). 0 negotiates every op."),
     _k("hierarchical_allreduce", bool, None, "--hierarchical-allreduce",
        "Reduce within each host (shared memory), then across hosts (TCP). Unset: automatic, "
        "on when a process set spans hosts with several ranks on a host; 1/0 force it."),
