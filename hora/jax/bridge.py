@@ -122,10 +122,13 @@ def _checked(fn: HostFn, specs: Sequence[jax.ShapeDtypeStruct], what: str) -> Ho
 
 def apply(what: str, leaves: Sequence[Any], forward: HostFn,
           out_specs: Sequence[jax.ShapeDtypeStruct], backward: HostFn | None,
-          grad_specs: Sequence[jax.ShapeDtypeStruct] | None = None) -> list[Any]:
+          grad_specs: Sequence[jax.ShapeDtypeStruct] | None = None,
+          cotangents: Callable[[list[Any]], list[Any]] | None = None) -> list[Any]:
     """Run ``forward`` on ``leaves``: eagerly, or as a callback when traced, differentiable
     through ``backward`` (cotangents of the outputs -> cotangents of the inputs, shaped like
-    ``grad_specs``, the inputs' shapes by default) when every leaf is floating point."""
+    ``grad_specs``, the inputs' shapes by default) when every leaf is floating point.
+    ``cotangents`` (traced) maps the outputs' cotangents to ``backward``'s operands (e.g. packs
+    them into the inputs' buffers); by default they are its operands."""
     if not is_traced(leaves):
         return [to_jax(o) for o in forward([to_host(x) for x in leaves])]
     fwd_fn = _checked(forward, out_specs, what)
@@ -144,8 +147,8 @@ def apply(what: str, leaves: Sequence[Any], forward: HostFn,
     def op_fwd(*inputs: Any) -> tuple[list[Any], None]:
         return op(*inputs), None
 
-    def op_bwd(_: None, cotangents: list[Any]) -> tuple[Any, ...]:
-        return tuple(_callback(bwd_fn, in_specs, cotangents))
+    def op_bwd(_: None, cts: list[Any]) -> tuple[Any, ...]:
+        return tuple(_callback(bwd_fn, in_specs, cotangents(cts) if cotangents else cts))
 
     op.defvjp(op_fwd, op_bwd)
     out: list[Any] = op(*xs)

@@ -26,11 +26,9 @@ as the runtime error that carries its text.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hora.collectives.ops import ReduceOp
@@ -41,7 +39,8 @@ from hora.core import packing as _packing
 from hora.core import spellings as _sp
 from hora.core.handle import Handle
 from hora.core.process_set import ProcessSet, global_process_set
-from hora.jax.bridge import HOST, apply, check_leaf, is_traced, to_host, to_jax
+from hora.jax import packed as _packed
+from hora.jax.bridge import HOST, apply, check_leaf, is_traced
 from hora.jax.compression import Compression, Compressor
 from hora.jax.tree import Flat, diagnose, flatten
 
@@ -88,14 +87,13 @@ def _guard(kind: str, flat: Flat, specs: list[Spec], grouped: bool,
 # ---- allreduce -----------------------------------------------------------------------------
 def _allreduce(kind: str, flat: Flat, leaves: list[Any], name: str | None, op: ReduceOp,
                pre: float, post: float, process_set: ProcessSet, grouped: bool) -> list[Any]:
-    specs = _specs(Flat(leaves, flat.treedef), _sp.REDUCE, kind)
     full = op_name("grouped_allreduce" if grouped else "allreduce", name, flat, grouped,
                    process_set)
+    if grouped and len(leaves) > 1 and op is not ReduceOp.Adasum:  # Adasum: per leaf
+        return _allreduce_packed(kind, flat, leaves, full, op, pre, post, process_set)
+    specs = _specs(Flat(leaves, flat.treedef), _sp.REDUCE, kind)
     gname = _grad_name(full, is_traced(leaves))
     args = (op, pre, post, process_set)
-
-    if grouped and len(leaves) > 1 and op is not ReduceOp.Adasum:  # Adasum: per leaf
-        return _allreduce_packed(kind, flat, leaves, specs, full, op, pre, post, process_set)
 
     def forward(a: list[np.ndarray]) -> list[np.ndarray]:
         if grouped:
@@ -112,45 +110,41 @@ def _allreduce(kind: str, flat: Flat, leaves: list[Any], name: str | None, op: R
                  backward)
 
 
-def _allreduce_packed(kind: str, flat: Flat, leaves: list[Any], specs: list[Spec],
-                      full: str | None, op: ReduceOp, pre: float, post: float,
+def _allreduce_packed(kind: str, flat: Flat, leaves: list[Any], full: str | None,
+                      op: ReduceOp, pre: float, post: float,
                       process_set: ProcessSet) -> list[Any]:
-    """A tree's allreduce as one buffer per dtype (:mod:`hora.core.packing`): one op, not one
-    per leaf. Traced, the leaves are concatenated in XLA and cross to the host as one array per
-    dtype (concatenation and split are differentiable: the backward pass is the allreduce of
-    the packed cotangents); eagerly they are packed on the host (a JAX dispatch per leaf would
-    cost more than the copy). The op name carries the leaves' shapes, so trees that differ only
-    in shapes do not pair."""
-    layout = _packing.Layout.of([s.shape for s in specs], [np.dtype(s.dtype) for s in specs])
-    name = f"{full}.{_packing.layout_tag(layout)}"
-    guard = functools.partial(_guard, kind, flat, specs, True, process_set)
+    """A tree's allreduce as one buffer per dtype (:mod:`hora.jax.packed`): one op, not one
+    per leaf. Traced: XLA concatenates, one callback reduces the buffers and hands back every
+    leaf as its own result (differentiable: the backward pass concatenates the cotangents and
+    allreduces them); eagerly, the tree shape's cached plan packs with one jitted call and
+    unpacks with another. The op name carries the leaves' shapes, so trees that differ only in
+    shapes do not pair."""
+    plan = _packed.plan(leaves, _sp.REDUCE, kind, lambda: Flat(leaves, flat.treedef).paths())
+    name = f"{full}.{_packing.layout_tag(plan.layout)}"
+    guard = _guard(kind, flat, plan.specs, True, process_set,
+                   lambda a: _sp.run(HOST, _sp.GROUPED_ALLREDUCE, a, None, name, op, pre,
+                                     post, process_set))
+    if not is_traced(leaves):
+        return plan.leaves(guard(plan.host_buffers(leaves)))
+    gname = _grad_name(name, True)
 
-    def run(a: list[np.ndarray]) -> list[np.ndarray]:
-        out: list[np.ndarray] = _sp.run(HOST, _sp.GROUPED_ALLREDUCE, a, None, name, op, pre,
-                                        post, process_set)
+    def backward(g: list[np.ndarray]) -> list[np.ndarray]:
+        return _grads.grouped_allreduce(HOST, g, op, pre, post, process_set, name=gname)
+
+    return apply(kind, plan.buffers(leaves), lambda a: plan.views(guard(a)), plan.specs,
+                 backward, plan.buffer_specs, plan.buffers)
+
+
+def _compressed(compression: type[Compressor], leaves: list[Any],
+                run: Any) -> list[Any]:
+    """``run`` (leaves -> results) on the compressed leaves, its results decompressed; no
+    per-leaf calls for ``Compression.none``."""
+    if compression is Compression.none:
+        out: list[Any] = run(leaves)
         return out
-
-    if is_traced(leaves):
-        gname = _grad_name(name, True)
-        packed = [jnp.concatenate([jnp.ravel(leaves[i]) for i in idx]) if len(idx) > 1
-                  else jnp.ravel(leaves[idx[0]]) for idx in layout.groups]
-        packed_specs = [jax.ShapeDtypeStruct((n,), layout.dtypes[idx[0]])
-                        for n, idx in zip(layout.sizes, layout.groups)]
-
-        def backward(g: list[np.ndarray]) -> list[np.ndarray]:
-            return _grads.grouped_allreduce(HOST, g, op, pre, post, process_set, name=gname)
-
-        outs = apply(kind, packed, guard(run), packed_specs, backward)
-    else:
-        host, _ = _packing.pack([to_host(x) for x in leaves], layout=layout)
-        outs = [to_jax(o) for o in guard(run)(host)]
-    result: list[Any] = [None] * len(leaves)
-    for out, idx, offsets in zip(outs, layout.groups, layout.offsets):
-        pieces = jnp.split(out, list(offsets[1:-1])) if len(idx) > 1 else [out]
-        for i, piece in zip(idx, pieces):
-            shape = specs[i].shape
-            result[i] = piece if piece.shape == shape else piece.reshape(shape)
-    return result
+    pairs = [compression.compress(x) for x in leaves]
+    outs = run([c for c, _ in pairs])
+    return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
 
 
 def _check_adasum(op: ReduceOp, flat: Flat, process_set: ProcessSet) -> None:
@@ -172,10 +166,9 @@ def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
     resolved = _api.resolve_op(op, average)
     flat = flatten(tensor)
     _check_adasum(resolved, flat, process_set)
-    pairs = [compression.compress(x) for x in flat.leaves]
-    outs = _allreduce("allreduce", flat, [c for c, _ in pairs], name, resolved,
-                      prescale_factor, postscale_factor, process_set, not flat.single)
-    return flat.unflatten([compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)])
+    return flat.unflatten(_compressed(compression, flat.leaves, lambda leaves: _allreduce(
+        "allreduce", flat, leaves, name, resolved, prescale_factor, postscale_factor,
+        process_set, not flat.single)))
 
 
 def grouped_allreduce(tensors: Any, average: bool | None = None, name: str | None = None,
@@ -188,10 +181,9 @@ def grouped_allreduce(tensors: Any, average: bool | None = None, name: str | Non
     if not flat.leaves:
         return tensors
     _check_adasum(resolved, flat, process_set)
-    pairs = [compression.compress(x) for x in flat.leaves]
-    outs = _allreduce("grouped_allreduce", flat, [c for c, _ in pairs], name, resolved,
-                      prescale_factor, postscale_factor, process_set, True)
-    return flat.unflatten([compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)])
+    return flat.unflatten(_compressed(compression, flat.leaves, lambda leaves: _allreduce(
+        "grouped_allreduce", flat, leaves, name, resolved, prescale_factor, postscale_factor,
+        process_set, True)))
 
 
 # ---- allgather -----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ its own rank; expected values are computed here with numpy from every rank's inp
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -83,6 +84,56 @@ def metrics_dict(hvd: Any) -> None:
     assert np.isclose(float(got["loss"]), (n - 1) / 2)
     assert np.isclose(float(got["acc"]), 0.5 + (n - 1) / 2)
     assert int(got["count"]) == int(sum(2 + q for q in range(n)) // n)
+
+
+def _packable(rank: int, salt: int) -> dict[str, Any]:
+    """Many small leaves of two dtypes, one large leaf (>= 128 KiB: not packed), a numpy
+    leaf and a Python scalar."""
+    return {"small": [jnp.asarray(_x(rank, (i % 3 + 1, 2), salt + i)) for i in range(12)],
+            "ints": [jnp.asarray(_x(rank, (4,), salt + i).astype(np.int32)) for i in range(3)],
+            "big": jnp.asarray(_x(rank, (300, 128), salt)), "np": _x(rank, (5,), salt + 7),
+            "scalar": 1.5 + rank + salt}
+
+
+def _packable_sum(n: int, salt: int) -> Any:
+    return jax.tree_util.tree_map(lambda *xs: sum(np.asarray(x) for x in xs),
+                                  *[_packable(q, salt) for q in range(n)])
+
+
+def tree_packed(hvd: Any) -> None:
+    """A tree packed into one buffer per dtype: eager twice (the cached plan; the first
+    results must survive the second call), from two threads at once, inside jit, with
+    Average, and differentiated."""
+    r, n = hvd.rank(), hvd.size()
+    first = hvd.allreduce(_packable(r, 0), op=hvd.Sum)
+    second = hvd.allreduce(_packable(r, 1), op=hvd.Sum)
+    _eq(first, _packable_sum(n, 0), "packed tree (eager, first call)")
+    _eq(second, _packable_sum(n, 1), "packed tree (eager, cached plan)")
+    assert all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(second))
+    got: dict[int, Any] = {}
+
+    def run(k: int) -> None:
+        got[k] = hvd.allreduce(_packable(r, 2 + k), op=hvd.Sum, name=f"packed.thread{k}")
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for k in range(2):
+        _eq(got[k], _packable_sum(n, 2 + k), f"packed tree (thread {k})")
+    f = jax.jit(lambda t: hvd.allreduce(t, op=hvd.Sum))
+    _eq(f(_packable(r, 4)), _packable_sum(n, 4), "packed tree (jit)")
+    _eq(f(_packable(r, 5)), _packable_sum(n, 5), "packed tree (jit, again)")
+    avg = hvd.allreduce({"a": jnp.asarray(_x(r, (3,))), "b": jnp.asarray(_x(r, (2, 2), 1))})
+    _eq(avg, jax.tree_util.tree_map(lambda *xs: sum(xs) / n, *[
+        {"a": _x(q, (3,)), "b": _x(q, (2, 2), 1)} for q in range(n)]), "packed tree (Average)")
+    floats = {"small": _packable(r, 0)["small"], "big": _packable(r, 0)["big"]}
+    leaves, treedef = jax.tree_util.tree_flatten(floats)
+    g = jax.jit(jax.grad(lambda t: sum((a * (i + 1)).sum() for i, a in enumerate(
+        jax.tree_util.tree_leaves(hvd.allreduce(t, op=hvd.Sum))))))(floats)
+    _eq(g, jax.tree_util.tree_unflatten(treedef, [np.full(np.shape(a), n * (i + 1.0))
+                                                  for i, a in enumerate(leaves)]),
+        "d packed tree (Horovod's rule: the Sum-allreduce of the cotangents)")
 
 
 def jit_ops(hvd: Any) -> None:
@@ -314,7 +365,8 @@ def traced_errors(hvd: Any) -> None:
 
 CASES = {
     "tree-ops": tree_ops, "tree-async": tree_async, "metrics-dict": metrics_dict,
-    "jit-ops": jit_ops, "jit-steady-names": jit_steady_names, "vmap": vmap_case,
+    "tree-packed": tree_packed, "jit-ops": jit_ops, "jit-steady-names": jit_steady_names,
+    "vmap": vmap_case,
     "grad-allreduce": grad_allreduce, "grad-allreduce-tree": grad_allreduce_tree,
     "grad-allgather": grad_allgather, "grad-broadcast": grad_broadcast,
     "grad-reducescatter": grad_reducescatter, "grad-alltoall": grad_alltoall,

@@ -1,0 +1,136 @@
+"""A pytree's allreduce as one buffer per dtype (:mod:`hora.core.packing`): one core op for
+the whole tree, and as little work per leaf as JAX allows.
+
+What a leaf costs is JAX's, not the collective's: making one ``jax.Array`` from host memory
+costs ~20 µs (``jnp.asarray``), a jitted function's output a few µs, a callback operand a
+``device_put``. So every tree shape gets a cached :class:`Plan` (keyed by the leaves' shapes
+and dtypes: the dtype checks, the layout and the functions below are made once):
+
+* eagerly, the small leaves are concatenated by one jitted function (one dispatch), the core
+  reduces the host buffers, and one jitted function whose only operation is a host callback
+  returns the new leaves, views of the reduced buffers that XLA copies (one dispatch, ~3 µs a
+  leaf, nothing per leaf to compile; ``jnp.asarray`` per leaf costs ~20 µs, a jitted split
+  ~1 s of compiling for 100 leaves); large leaves go to the core as views and come back as
+  one array each, as a single array would;
+* traced (inside ``jit``), XLA concatenates the leaves and one callback (one operand per
+  buffer) reduces them and returns every leaf as its own result, views of the reduced
+  buffers that the callback copies out (:func:`hora.jax.bridge.apply`). Cutting in XLA
+  instead costs one kernel per leaf (compiled: ~1 s more to compile a 100-leaf tree, and a
+  slice does not fuse into every consumer), and its gradient pads every piece to the whole
+  buffer; here the backward pass concatenates the cotangents and reduces them in one
+  callback.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hora.core import packing as _packing
+from hora.jax.bridge import check_leaf, to_host, to_jax
+
+_PLANS: dict[tuple[Any, ...], Plan] = {}
+_MAX_PLANS = 128
+
+
+class Plan:
+    """How one tree shape (leaves' shapes and dtypes) is packed, and the functions that do it.
+
+    ``specs`` are the leaves' checked shapes and dtypes, ``layout`` the packing,
+    ``packed`` the indices of the layout's groups of two or more leaves (concatenated; the
+    other groups are one large leaf each, sent as a view)."""
+
+    def __init__(self, specs: list[jax.ShapeDtypeStruct]) -> None:
+        self.specs = specs
+        self.layout = _packing.Layout.of([s.shape for s in specs],
+                                         [np.dtype(s.dtype) for s in specs])
+        self.packed = tuple(k for k, idx in enumerate(self.layout.groups) if len(idx) > 1)
+        self._packed_leaves = [i for k in self.packed for i in self.layout.groups[k]]
+        self.buffer_specs = [jax.ShapeDtypeStruct((n,), self.layout.dtypes[idx[0]])
+                             for n, idx in zip(self.layout.sizes, self.layout.groups)]
+        self._lock = threading.Lock()
+        self._result: list[np.ndarray] = []
+        self._pack = jax.jit(self.concatenate)
+        self._unpack = jax.jit(self._copy_out)
+
+    # ---- traced (also the body of the eager jitted functions) ---------------------------
+    def concatenate(self, leaves: Sequence[Any]) -> list[Any]:
+        """The buffers of the packed groups: their leaves raveled and concatenated."""
+        return [jnp.concatenate([jnp.ravel(leaves[i]) for i in self.layout.groups[k]])
+                for k in self.packed]
+
+    def buffers(self, leaves: Sequence[Any]) -> list[Any]:
+        """Every group's buffer (traced leaves): packed groups concatenated, lone leaves
+        raveled."""
+        packed = iter(self.concatenate(leaves))
+        return [next(packed) if k in self.packed else jnp.ravel(leaves[idx[0]])
+                for k, idx in enumerate(self.layout.groups)]
+
+    def views(self, buffers: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The leaves cut out of every group's host buffer (views)."""
+        return _packing.unpack(buffers, self.layout)
+
+    # ---- eager ----------------------------------------------------------------------------
+    def host_buffers(self, leaves: Sequence[Any]) -> list[np.ndarray]:
+        """Every group's buffer in host memory: one jitted concatenation of the packed
+        groups, a flat view of each lone leaf."""
+        packed = iter(self._pack(list(leaves)) if self.packed else [])
+        return [np.asarray(next(packed)) if k in self.packed
+                else to_host(leaves[idx[0]]).reshape(-1)
+                for k, idx in enumerate(self.layout.groups)]
+
+    def leaves(self, buffers: Sequence[np.ndarray]) -> list[Any]:
+        """New ``jax.Array`` leaves holding ``buffers`` (the reduced groups' host buffers)."""
+        out: list[Any] = [None] * len(self.specs)
+        if self.packed:
+            with self._lock:  # the callback reads the buffers from here (local work only)
+                self._result = list(buffers)
+                try:
+                    pieces = jax.block_until_ready(self._unpack())
+                finally:
+                    self._result = []
+            for i, piece in zip(self._packed_leaves, pieces):
+                out[i] = piece
+        for k, idx in enumerate(self.layout.groups):
+            if k not in self.packed:
+                out[idx[0]] = to_jax(buffers[k].reshape(self.specs[idx[0]].shape))
+        return out
+
+    def _copy_out(self) -> list[Any]:
+        """(Jitted, no operands.) The packed leaves, copied by XLA out of the buffers that
+        :meth:`leaves` holds."""
+        specs = [self.specs[i] for i in self._packed_leaves]
+        return list(jax.pure_callback(self._views, specs))
+
+    def _views(self) -> list[np.ndarray]:
+        views = self.views(self._result)
+        return [views[i] for i in self._packed_leaves]
+
+
+def plan(leaves: Sequence[Any], table: str, kind: str,
+         paths: Callable[[], list[str]]) -> Plan:
+    """The cached :class:`Plan` of ``leaves``' shapes and dtypes; on first sight the dtypes
+    are checked against ``table`` (ValueError naming the leaf's path, from ``paths()``)."""
+    try:
+        key = tuple([(x.shape, x.dtype) for x in leaves])
+    except AttributeError:  # Python scalars among the leaves
+        key = tuple((np.shape(x), getattr(x, "dtype", None) or type(x)) for x in leaves)
+    found = _PLANS.get(key)
+    if found is not None:
+        return found
+    names = paths()
+    specs = [check_leaf(x, table, f"{kind} leaf {p}") for x, p in zip(leaves, names)]
+    made = Plan([jax.ShapeDtypeStruct(s.shape, jax.dtypes.canonicalize_dtype(s.dtype))
+                 for s in specs])
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.pop(next(iter(_PLANS)))
+    _PLANS[key] = made
+    return made
+
+
+__all__ = ["Plan", "plan"]
