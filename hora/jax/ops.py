@@ -121,15 +121,24 @@ def _allreduce_packed(kind: str, flat: Flat, leaves: list[Any], full: str | None
     shapes do not pair."""
     plan = _packed.plan(leaves, _sp.REDUCE, kind, lambda: Flat(leaves, flat.treedef).paths())
     name = f"{full}.{_packing.layout_tag(plan.layout)}"
-    guard = _guard(kind, flat, plan.specs, True, process_set,
-                   lambda a: _sp.run(HOST, _sp.GROUPED_ALLREDUCE, a, None, name, op, pre,
-                                     post, process_set))
+    args = (op, pre, post, process_set)
+    single = len(plan.layout.groups) == 1  # one buffer: the core's single-array op
+
+    def run(a: list[np.ndarray]) -> list[np.ndarray]:
+        if single:
+            return [_sp.run(HOST, _sp.ALLREDUCE, a[0], None, name, *args)]
+        out: list[np.ndarray] = _sp.run(HOST, _sp.GROUPED_ALLREDUCE, a, None, name, *args)
+        return out
+
+    guard = _guard(kind, flat, plan.specs, True, process_set, run)
     if not is_traced(leaves):
         return plan.leaves(guard(plan.host_buffers(leaves)))
     gname = _grad_name(name, True)
 
     def backward(g: list[np.ndarray]) -> list[np.ndarray]:
-        return _grads.grouped_allreduce(HOST, g, op, pre, post, process_set, name=gname)
+        if single:
+            return [_grads.allreduce(HOST, g[0], *args, name=gname)]
+        return _grads.grouped_allreduce(HOST, g, *args, name=gname)
 
     return apply(kind, plan.buffers(leaves), lambda a: plan.views(guard(a)), plan.specs,
                  backward, plan.buffer_specs, plan.buffers)
