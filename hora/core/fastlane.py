@@ -50,6 +50,7 @@ for any failed collective.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -83,11 +84,19 @@ IDLE_SLICE_S = 0.05
 BUSY_SLICE_S = 0.005
 """Doorbell wait slice while ops are pending (bounds the cost of a lost wakeup)."""
 
+ROOM_WAIT_S = 2.0
+"""How long a submission waits for room in a full log before it closes the log (the lane is
+then off until a ``join``): a burst far ahead of a slower member usually finds room sooner."""
+
 DRIVER_SPIN_FACTOR = 8
 """A waiting caller checks its doorbell this many times a collective's spin before sleeping."""
 
 KINDS = (OpKind.ALLREDUCE, OpKind.ALLGATHER)
 """The ops a lane logs (each takes one log position, hit or miss)."""
+
+MAX_UNIT = LOG_CAPACITY // 8
+"""A grouped call's members are logged in units of at most this many, in order (a unit must
+fit the log at once; one of more than ``LOG_CAPACITY`` would close it)."""
 
 
 class FastLane:
@@ -180,13 +189,15 @@ class FastLane:
         negotiated."""
         n = len(entries)
         gather = entries[0].request.kind is OpKind.ALLGATHER
+        if self._count + n - self._floor > LOG_CAPACITY:  # (a stale floor over-counts)
+            self._make_room(n)
         with self._append_lock:
             if self._closed or self._off:
                 return False
             count = self._count
             ahead = count + n - self._floor
             if ahead >= LOG_CAPACITY // 2 or (gather and ahead > ARG_CAPACITY):
-                self._floor = count - self._boards.backlog(count)  # (a stale floor over-counts)
+                self._floor = count - self._boards.backlog(count)
                 ahead = count + n - self._floor
             if ahead > LOG_CAPACITY:
                 self._close_locked()
@@ -219,6 +230,15 @@ class FastLane:
             self._boards.ring_lane()  # nobody waits yet: the lane thread decides and runs it
         return hit
 
+    def _make_room(self, n: int) -> None:
+        """``n`` more entries may not fit the log (this rank is far ahead of the slowest member:
+        a burst of ops, a large grouped call): drive the lane until they do, as :meth:`flush`
+        waits, for up to :data:`ROOM_WAIT_S` (the caller then closes the log)."""
+        def room() -> bool:
+            return self._closed or self._boards.backlog(self._count) + n <= LOG_CAPACITY
+
+        self._wait_lane(room, ROOM_WAIT_S)
+
     def close_log(self) -> None:
         """Append no more (ops are negotiated from now); the leader turns the lane off here."""
         with self._append_lock:
@@ -232,28 +252,34 @@ class FastLane:
 
     def flush(self) -> None:
         """Wait until every op this rank logged has run or been handed to the negotiated path
-        (the caller drives the lane meanwhile). Bounded: a flush that lasts
-        ``BLOCKED_AFTER_S`` reports this rank blocked in the lane (:attr:`on_flush_blocked`),
-        so that members which never log the positions it waits for are a deadlock the
-        coordinator resolves in about a second by closing the lane (which hands every logged op
-        to the negotiated path); otherwise the position is decided OFF after the stall time."""
-        def flushed() -> bool:
-            return self._consumed >= self._count
+        (the caller drives the lane meanwhile: :meth:`_wait_lane`)."""
+        self._wait_lane(lambda: self._consumed >= self._count, None)
+        if self._error is not None:
+            raise type(self._error)(str(self._error))
 
+    def _wait_lane(self, done: Callable[[], bool], limit: float | None) -> None:
+        """Drive the lane until ``done()`` (or for ``limit`` seconds). A wait that lasts
+        ``BLOCKED_AFTER_S`` reports this rank blocked in the lane (:attr:`on_flush_blocked`), so
+        that members which never log the positions it waits for are a deadlock the coordinator
+        resolves in about a second by closing the lane (which hands every logged op to the
+        negotiated path); otherwise the position is decided OFF after the stall time."""
         reported = False
-        deadline = time.monotonic() + BLOCKED_AFTER_S
+        start = time.monotonic()
+        end = math.inf if limit is None else start + limit
         try:
-            while not flushed() and self._error is None and not self._stop:
-                self._drive(flushed, None if reported else BLOCKED_AFTER_S)
-                if not reported and not flushed() and time.monotonic() >= deadline \
+            while not done() and self._error is None and not self._stop:
+                now = time.monotonic()
+                if now >= end:
+                    return
+                step = min(end - now, math.inf if reported else BLOCKED_AFTER_S)
+                self._drive(done, None if step == math.inf else step)
+                if not reported and not done() and time.monotonic() >= start + BLOCKED_AFTER_S \
                         and self.on_flush_blocked is not None:
                     self.on_flush_blocked(True)
                     reported = True
         finally:
             if reported and self.on_flush_blocked is not None:
                 self.on_flush_blocked(False)
-        if self._error is not None:
-            raise type(self._error)(str(self._error))
 
     # ---- driving -----------------------------------------------------------------------------
     def _drive(self, until: Callable[[], bool], timeout: float | None) -> None:

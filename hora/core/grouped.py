@@ -9,7 +9,8 @@ so that the coordinator fails a group's pending members together (deadlock detec
 Allreduce and allgather members are submitted together (:meth:`~hora.core.engine.Engine.
 submit_group`): in a fast lane (:mod:`hora.core.fastlane`) they are one *unit*, logged at once,
 run whole (one fused allreduce when it fits) and in the same order on every rank, or all
-negotiated. The :class:`~hora.core.handle.GroupHandle` returned drives that lane when waited
+negotiated (a call of more than :data:`~hora.core.fastlane.MAX_UNIT` members is several units,
+in order). The :class:`~hora.core.handle.GroupHandle` returned drives that lane when waited
 on, as a single op's handle does. ``sync=True`` promises that the caller waits at once (the
 lane's wake-ups then go to the caller, not to the lane thread).
 """
@@ -22,15 +23,18 @@ from typing import Any
 import numpy as np
 
 from hora.collectives.ops import ReduceOp, scale_inplace
-from hora.core import api, context
+from hora.core import api, context, fastlane
 from hora.core.entry import Entry
 from hora.core.handle import DerivedHandle, GroupHandle, Handle
 from hora.core.process_set import ProcessSet, global_process_set
 
 
 def _submit_group(ctx: context.Context, name: str, entries: list[Entry]) -> GroupHandle:
-    """Submit a grouped call's ops together; one handle for all."""
-    ctx.engine.submit_group(entries)
+    """Submit a grouped call's ops together (in units of at most
+    :data:`~hora.core.fastlane.MAX_UNIT`); one handle for all."""
+    step = fastlane.MAX_UNIT
+    for start in range(0, len(entries), step):
+        ctx.engine.submit_group(entries[start:start + step])
     return GroupHandle(name, [e.handle for e in entries])
 
 

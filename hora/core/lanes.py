@@ -62,10 +62,12 @@ class Lanes:
         """A unit of ops of a kind in :data:`~hora.core.fastlane.KINDS` was submitted (one op,
         or a grouped call's members): True if the set's lane runs it (no negotiation)."""
         set_id = entries[0].request.set_id
-        with self._lock:  # the n-th lane op on a set is at position n in its log
+        with self._lock:  # ops counted before a lane opens are its first positions (misses)
             self._positions[set_id] = self._positions.get(set_id, 0) + len(entries)
             lane = self._lanes.get(set_id)
-            return lane is not None and lane.submit(entries)
+        # (not under the lock: submit may wait for room in the log, and the engine thread takes
+        # the lock to open a lane; a lane replaced meanwhile is closed, so it refuses the ops)
+        return lane is not None and lane.submit(entries)
 
     def before_join(self, kind: OpKind, set_id: int) -> None:
         """A ``join`` (of ``set_id``) or ``remove_process_set`` (of set ``set_id``) is about to

@@ -362,3 +362,25 @@ def test_rank_killed_mid_group_fails_the_survivor_fast(tmp_path: Path) -> None:
     errors = job.lines("ERR")
     assert len(errors) == 1 and errors[0].startswith("ERR rank 0 at 40 "), out
     assert _seconds(errors[0]) < 15 and "rank 1" in errors[0], errors[0]
+
+
+def test_group_larger_than_the_log_keeps_the_lane(tmp_path: Path) -> None:
+    """A grouped call of more members than a lane log holds is logged in several units (one
+    unit of it would close the log, and the lane with it, for good)."""
+    from hora.core.fastlane import LOG_CAPACITY
+
+    job = _run_script(tmp_path, f"""
+        xs = [np.full(1, float(k)) for k in range({LOG_CAPACITY + 200})]
+        for i in range(4):
+            out = hora.grouped_allreduce(xs, name="huge", op=hora.Sum)
+            assert all(o[0] == 2 * x[0] for o, x in zip(out, xs)), i
+        d = context.get().engine.lane(0).describe()
+        print(f"LANE rank {{r}} fast {{d['fast_ops']}} off {{d['off']}}", flush=True)
+        hora.shutdown()
+    """, env={"HOROVOD_CACHE_CAPACITY": str(2 * LOG_CAPACITY)})
+    out = job.stdout + job.stderr
+    assert job.returncode == 0, out
+    lanes = job.lines("LANE")
+    assert len(lanes) == 2, out
+    for line in lanes:  # the first call was negotiated; the next three ran in the lane
+        assert line.endswith(f"fast {3 * (LOG_CAPACITY + 200)} off False"), line
