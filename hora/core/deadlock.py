@@ -192,6 +192,11 @@ class DeadlockDetector:
         if members is None:
             return True
         missing = self._missing(key, members)
+        if missing is not None and rank in missing and not wait.lane and key[1] != "join":
+            # The pending op of this name lacks this very rank: it is a later one (the others
+            # are ahead), since a rank's request always arrives before its wait report; this
+            # rank's own op has run or runs now, and its wait ends without anyone else.
+            return True
         if missing is None and wait.lane:  # in the lane: it needs some member not blocked in
             others = [r for r in members  # the same op (optimistic: one that may progress)
                       if r != rank and key not in self._waits.get(r, {})]

@@ -192,3 +192,14 @@ def test_a_deadlocked_grouped_op_fails_as_a_whole() -> None:
         "allreduce.other", "grouped_allreduce.noname.1_1of3", "grouped_allreduce.noname.1_2of3",
         "grouped_allreduce.noname.1_3of3"]
     assert coord.pending_names() == []
+
+
+def test_a_wait_on_an_earlier_op_of_a_reused_name_is_not_a_deadlock() -> None:
+    """Rank 2 still waits for its op "x" (it ran; the wait ends once its thread runs again)
+    while ranks 0 and 1 already submitted the next "x": the pending "x" lacks rank 2 itself,
+    so it is a later op, not the one rank 2 waits for."""
+    coord, _ = make(3)
+    coord.add([req(0, "x"), req(1, "x")])  # the next step's "x", rank 2 not there yet
+    coord.deadlocks.waiting(2, True, 0, "x", False)
+    assert settle(coord) == ([], [])
+    assert coord.deadlocks.check(200.0) == ([], [])
