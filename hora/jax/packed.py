@@ -117,9 +117,9 @@ def plan(leaves: Sequence[Any], table: str, kind: str,
     """The cached :class:`Plan` of ``leaves``' shapes and dtypes; on first sight the dtypes
     are checked against ``table`` (ValueError naming the leaf's path, from ``paths()``)."""
     try:
-        key = tuple([(x.shape, x.dtype) for x in leaves])
+        key = (table, *[(x.shape, x.dtype) for x in leaves])
     except AttributeError:  # Python scalars among the leaves
-        key = tuple((np.shape(x), getattr(x, "dtype", None) or type(x)) for x in leaves)
+        key = (table, *[(np.shape(x), getattr(x, "dtype", None) or type(x)) for x in leaves])
     found = _PLANS.get(key)
     if found is not None:
         return found
