@@ -151,6 +151,33 @@ def test_consecutive_groups_and_single_ops_keep_their_order(world: Any) -> None:
     assert _stat(w, "off") == [False, False]
 
 
+def test_groups_submitted_in_different_orders_are_negotiated_whole(world: Any) -> None:
+    """Rank 0 submits group A, op S, group B; rank 1 submits S, B, A (all async, as Horovod
+    allows): the units disagree, so each rank hands them whole to the coordinator, which pairs
+    them by name; the lane stays on and later rounds in one order take it again."""
+    w = world(2)
+    a, b = [f"A_{k}" for k in range(4)], [f"B_{k}" for k in range(2)]
+    order = {0: ("A", "S", "B"), 1: ("S", "B", "A")}
+    for i in range(6):
+        handles: dict[tuple[int, str], Handle] = {}
+        for r in range(2):
+            for what in order[r] if i % 2 else order[0]:
+                if what == "S":
+                    handles[r, what] = w.submit(r, "S", np.full(3, float(r + i)), op=SUM)
+                else:
+                    names = a if what == "A" else b
+                    handles[r, what] = _unit(w, r, names, [np.full(2, r + i + k, np.float64)
+                                                           for k in range(len(names))])
+        got = _wait_all(list(handles.values()))
+        for (_r, what), result in zip(handles, got):
+            if what == "S":
+                np.testing.assert_array_equal(result, np.full(3, 2.0 * i + 1))
+            else:
+                for k, g in enumerate(result):
+                    np.testing.assert_array_equal(g, np.full(2, 2.0 * (i + k) + 1))
+    assert _stat(w, "off") == [False, False] and min(_stat(w, "fast_ops")) >= 14
+
+
 @pytest.mark.parametrize("mixed", [False, True], ids=["one-dtype", "two-dtypes"])
 def test_group_larger_than_the_fusion_limit_is_split_in_order(world: Any, mixed: bool) -> None:
     w = world(2, fusion_threshold=64)  # two 8-float32 tensors per fused op
