@@ -109,7 +109,7 @@ def main() -> None:
     args = parser.parse_args()
     import ray
 
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
     times: dict[str, list[float]] = {"hora.run": [], "ray": []}
     with tempfile.TemporaryDirectory() as tmp:
         for n in range(args.rounds):

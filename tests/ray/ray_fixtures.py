@@ -39,7 +39,8 @@ def start_local_ray(num_cpus: int = 4) -> Any:
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+    # address="local": a new Ray of our own, never a cluster another process runs here
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     ray.cloudpickle.register_pickle_by_value(ray_jobs)
     return ray

@@ -84,7 +84,8 @@ def main() -> None:
     import ray
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ray.init(num_cpus=max(4, args.np), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=max(4, args.np), include_dashboard=False,
+             log_to_driver=False)
     time.sleep(2.0)  # let Ray finish prestarting its idle workers
     try:
         hora_s, ray_s = [], []

@@ -184,7 +184,7 @@ def test_the_driver_never_loads_the_engine() -> None:
 import sys
 sys.path.insert(0, {str(HERE)!r})
 import ray, ray_jobs
-ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
 ray.cloudpickle.register_pickle_by_value(ray_jobs)
 from hora.ray import RayExecutor
 ex = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=2)
