@@ -300,10 +300,5 @@ class GroupHandle(Handle):
             report[0](report[1], blocked)
 
 
-def join_handles(name: str, members: list[Handle]) -> Handle:
-    """One handle for a group of ops (:class:`GroupHandle`)."""
-    return GroupHandle(name, members)
-
-
-__all__ = ["DerivedHandle", "Driver", "GroupHandle", "Handle", "HandleTable", "HoraInternalError",
-           "join_handles"]
+__all__ = ["DerivedHandle", "Driver", "GroupHandle", "Handle", "HandleTable",
+           "HoraInternalError"]
