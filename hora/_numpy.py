@@ -90,31 +90,49 @@ def is_homogeneous() -> bool:
     return len(set(counts.values())) <= 1
 
 
-# ---- capabilities (answered truthfully: hora has its own engine, no MPI/Gloo/NCCL build) ----
+# ---- capabilities (answered truthfully: hora has its own engine and controller; its data ----
+# ---- planes can move tensors over MPI (mpi4py) or Gloo (torch.distributed)              ----
 def mpi_built() -> bool:
-    """False: hora is not built against MPI (``mpirun`` can still launch hora jobs)."""
-    return _build.MPI
+    """Whether hora's tensor operations can run on MPI here: the ``mpi`` data plane
+    (``HORA_DATA_PLANE=mpi``) with mpi4py installed. ``mpirun`` can launch hora jobs anyway."""
+    return _build.mpi_ops()
 
 
 def mpi_enabled() -> bool:
-    """False: MPI is never hora's controller."""
-    return False
+    """Whether this job moves its tensors over MPI (the ``mpi`` data plane); False before
+    init(). MPI is never hora's controller."""
+    return _data_plane() == "mpi"
 
 
 def mpi_threads_supported() -> bool:
-    """Raises ValueError, as Horovod does when MPI is not enabled."""
-    raise ValueError("MPI is not enabled: hora uses its own TCP engine (mpi_threads_supported "
-                     "is only meaningful with Horovod's MPI controller).")
+    """With the ``mpi`` data plane: whether MPI was initialised with ``MPI_THREAD_MULTIPLE``.
+
+    Raises:
+        ValueError: MPI is not enabled (as Horovod raises).
+    """
+    if not mpi_enabled():
+        raise ValueError("MPI is not enabled: hora uses its own engine unless the job's data "
+                         "plane is mpi (HORA_DATA_PLANE=mpi, hora run --data-plane mpi); "
+                         "mpi_threads_supported is only meaningful then.")
+    from mpi4py import MPI
+
+    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
 
 
 def gloo_built() -> bool:
-    """False: hora's engine is its own, not Gloo."""
-    return _build.GLOO
+    """Whether hora's tensor operations can run on Gloo here: the ``torch`` data plane
+    (torch.distributed's gloo), with PyTorch installed."""
+    return _build.gloo_ops()
 
 
 def gloo_enabled() -> bool:
-    """False: hora's engine is its own, not Gloo."""
-    return False
+    """Whether this job moves its tensors over Gloo (the ``torch`` data plane); False before
+    init()."""
+    return _data_plane() == "torch"
+
+
+def _data_plane() -> str:
+    return _context.get().config.data_plane if _context.is_initialized() else ""
 
 
 def nccl_built() -> int:

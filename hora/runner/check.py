@@ -193,8 +193,9 @@ def _found(section: list[Probe], name: str) -> bool:
 def check_build_text(found: dict[str, list[Probe]] | None = None) -> str:
     """The report in ``horovodrun --check-build``'s format.
 
-    The rows agree with ``hvd.mpi_built()``, ``gloo_built()``, ``nccl_built()``... (one answer:
-    :mod:`hora._util.build_info`); hora's own engine is listed as what it is.
+    The tensor-operation rows agree with ``hvd.mpi_built()``, ``gloo_built()``,
+    ``nccl_built()``... (one answer: :mod:`hora._util.build_info`); hora's own engine is listed
+    as what it is, and it is the only controller.
     """
     found = probes() if found is None else found
     frameworks = found["Frameworks"]
@@ -208,15 +209,15 @@ def check_build_text(found: dict[str, list[Probe]] | None = None) -> str:
              row(False, "MXNet"),
              row(_found(frameworks, "JAX"), "JAX"),
              "", "Available Controllers:",
-             row(build.MPI, "MPI"),
-             row(build.GLOO, "Gloo"),
+             row(False, "MPI"),
+             row(False, "Gloo"),
              row(True, build.ENGINE),
              "", "Available Tensor Operations:",
              row(bool(build.NCCL), "NCCL"),
              row(build.DDL, "DDL"),
              row(build.CCL, "CCL"),
-             row(build.MPI, "MPI"),
-             row(build.GLOO, "Gloo"),
+             row(build.mpi_ops(), "MPI (data plane mpi, mpi4py)"),
+             row(build.gloo_ops(), "Gloo (data plane torch, torch.distributed)"),
              row(True, build.ENGINE)]
     return "\n".join(lines) + "\n"
 

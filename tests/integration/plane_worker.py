@@ -50,7 +50,8 @@ def train() -> None:
             path = context.get().engine.data_path(0)
     with torch.no_grad():
         checksum = float(sum(p.double().sum() for p in model.parameters()))
-    print(f"TRAIN rank {rank} path {path} loss {losses[0]:.4f} -> {losses[-1]:.4f} "
+    print(f"TRAIN rank {rank} path {path} gloo_enabled {hvd.gloo_enabled()} mpi_enabled "
+          f"{hvd.mpi_enabled()} loss {losses[0]:.4f} -> {losses[-1]:.4f} "
           f"checksum {checksum!r}", flush=True)
     hvd.shutdown()
 

@@ -74,8 +74,8 @@ def test_torch_training_replicas_agree() -> None:
     assert job.returncode == 0, job.stdout + job.stderr
     lines = job.lines("TRAIN")
     assert len(lines) == 2, job.stdout + job.stderr
-    found = [re.fullmatch(r"TRAIN rank (\d) path (\w+) loss ([\d.]+) -> ([\d.]+) checksum (.+)",
-                          line) for line in lines]
+    found = [re.fullmatch(r"TRAIN rank (\d) path (\w+) gloo_enabled True mpi_enabled False "
+                          r"loss ([\d.]+) -> ([\d.]+) checksum (.+)", line) for line in lines]
     assert all(found), lines
     assert {m.group(2) for m in found if m} == {plane}
     assert len({m.group(5) for m in found if m}) == 1, f"replicas differ: {lines}"

@@ -269,9 +269,14 @@ def test_check_reports_versions_and_the_horovod_checklist(
     assert "Available Tensor Operations:" in out
     import hora
 
-    # the rows say what hvd.*_built() say (hora has its own engine, listed as such)
-    assert (f"    [{'X' if hora.gloo_built() else ' '}] Gloo") in out
-    assert (f"    [{'X' if hora.mpi_built() else ' '}] MPI") in out
+    # the rows say what hvd.*_built() say (hora has its own engine, listed as such; its data
+    # planes run tensor operations on MPI and Gloo where mpi4py / torch are installed)
+    ops = out[out.index("Available Tensor Operations:"):]
+    assert (f"    [{'X' if hora.gloo_built() else ' '}] Gloo (data plane torch") in ops
+    assert (f"    [{'X' if hora.mpi_built() else ' '}] MPI (data plane mpi") in ops
+    assert hora.gloo_built()  # torch is installed in the test environment
+    controllers = out[out.index("Available Controllers:"):out.index("Available Tensor")]
+    assert "    [ ] MPI" in controllers and "    [ ] Gloo" in controllers
     assert (f"    [{'X' if hora.nccl_built() else ' '}] NCCL") in out
     assert "    [X] hora (TCP between hosts, shared memory on a host)" in out
     assert "    [ ] MXNet" in out
@@ -333,3 +338,11 @@ def test_forwarding_an_unset_variable_warns(capsys: pytest.CaptureFixture[str],
     got = spec("-np", "1", "-x", "HORA_TEST_UNSET_VAR", "true")
     assert "HORA_TEST_UNSET_VAR" not in got.env
     assert "nothing to forward" in capsys.readouterr().err
+
+
+def test_capabilities_before_init_say_no_plane_is_enabled() -> None:
+    import hora
+
+    assert hora.mpi_enabled() is False and hora.gloo_enabled() is False
+    with pytest.raises(ValueError, match="MPI is not enabled.*HORA_DATA_PLANE=mpi"):
+        hora.mpi_threads_supported()
