@@ -292,7 +292,21 @@ def _parse_process_sets(
 
 def _check_process_sets(store: Any, scope: str, rank: int, size: int, sets: list[ProcessSet],
                         dynamic: bool, transport: Transport, closers: list[Any]) -> None:
-    """Every rank must register the same process sets: compare through the store."""
+    """Every rank must register the same process sets, of ranks of this job: compare through
+    the store (a set with a rank outside the job fails on every rank that passed it)."""
+    for i, ps in enumerate(sets):
+        bad = [r for r in ps.ranks if not 0 <= r < size]
+        if bad or not ps.ranks:
+            transport.close()
+            for c in closers:
+                c.close()
+            raise ValueError(
+                f"Horovod initialization failed: process_sets[{i}] has ranks {ps.ranks}, and "
+                f"this job has {size} rank(s) (0..{size - 1}): "
+                + (f"{bad} {'is' if len(bad) == 1 else 'are'} not a rank of it." if bad else
+                   "a process set needs at least one rank.")
+                + " HINT: build process sets from hvd.size() (launch with more ranks, or "
+                "leave the set out).")
     mine = json.dumps({"sets": [ps.ranks for ps in sets], "dynamic": dynamic})
     store.set(scope + ".sets", str(rank), mine.encode())
     for peer in range(size):

@@ -109,6 +109,14 @@ def test_mismatched_process_sets_fail_init_on_every_rank() -> None:
     assert all("mismatching process sets" in s for s in sets)
 
 
+def test_a_process_set_beyond_the_job_fails_init_on_every_rank() -> None:
+    job = run_job(2, "sets_beyond_the_job")
+    sets = job.lines("SETS")
+    assert len(sets) == 2, job.stdout + job.stderr
+    assert all(re.search(r"process_sets\[1\] has ranks \[0, 2\], and this job has 2 rank\(s\) "
+                         r"\(0\.\.1\): \[2\] is not a rank of it", s) for s in sets), sets
+
+
 def test_join_uneven_data() -> None:
     job = run_job(3, "join")
     assert job.returncode == 0, job.stdout + job.stderr

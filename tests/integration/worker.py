@@ -198,6 +198,13 @@ def mismatched_sets() -> None:
         print(f"SETS {exc}")
 
 
+def sets_beyond_the_job() -> None:
+    try:
+        hora.init(process_sets=[hora.ProcessSet([0, 1]), hora.ProcessSet([0, 2])])
+    except ValueError as exc:
+        print(f"SETS {exc}")
+
+
 def hora_rank_from_env() -> int:
     return int(os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "0")))
 
