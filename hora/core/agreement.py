@@ -14,10 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from hora.collectives.ops import ReduceOp
 from hora.core.messages import OpKind, Request, Response
-
-_ADASUM = int(ReduceOp.Adasum)
 
 Signature = tuple[object, ...]
 """What every rank's request for one name must agree on."""
@@ -79,9 +76,10 @@ def fusable(resp: Response) -> bool:
 
 
 def lane_fusable(resp: Response) -> bool:
-    """Whether ``resp`` may run (and fuse) in the fast lane: :func:`fusable`, and not Adasum,
-    which runs on the set's TCP comm (the engine thread's), never on the lane's group."""
-    return fusable(resp) and resp.op != _ADASUM
+    """Whether ``resp`` may run (and fuse) in the fast lane: :func:`fusable` (Adasum included:
+    in a lane it is gathered over the lane's shared memory, never sent over the set's TCP
+    comm, which is the engine thread's)."""
+    return fusable(resp)
 
 
 def fusion_key(resp: Response) -> FusionKey:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from hora._util.log import get_logger
-from hora.collectives.adasum import adasum_allreduce
+from hora.collectives.adasum import adasum_allreduce, adasum_gathered
 from hora.collectives.allgather import allgather
 from hora.collectives.allreduce import allreduce
 from hora.collectives.alltoall import alltoall
@@ -47,6 +47,11 @@ from hora.transports.shm import SPIN_ALLOWED, available_bytes, capacity_for
 from hora.transports.shm_fabric import ShmFabric
 
 log = get_logger(__name__)
+
+ADASUM_GATHER_BYTES = 64 << 20
+"""Adasum on one host gathers every rank's buffer (shared memory) and combines locally when the
+gathered copy stays within this; larger buffers take the recursive exchange over TCP (in a fast
+lane always the gather: the lane's ops are within its fusion limits)."""
 
 SHM_HEADROOM = 4
 """Use shared memory for an op only if this many times the segments it needs are free:
@@ -74,7 +79,8 @@ class Route:
                  shm_free: int = 0, scheme: DataPath = DataPath.RING,
                  local: ShmGroup | Comm | None = None,
                  cross: Comm | None = None, lane_group: ShmGroup | None = None,
-                 gather_hosts: list[list[int]] | None = None, hosts: int = 1) -> None:
+                 gather_hosts: list[list[int]] | None = None, hosts: int = 1,
+                 lane: bool = False) -> None:
         self.comm = comm
         self.group = group  # the whole set on one host, over shared memory
         self.lane_group = lane_group  # a second group for the fast lane (hora.core.fastlane)
@@ -83,6 +89,7 @@ class Route:
         self._cross = cross
         self._gather_hosts = gather_hosts  # the set's ranks per host: hierarchical allgather
         self._hosts = hosts  # how many hosts the set spans (hierarchical Adasum checks it)
+        self._lane = lane  # a fast lane's route: its thread never touches the set's TCP comm
         self._config = config
         self._shm_free = shm_free
 
@@ -111,7 +118,7 @@ class Route:
         if self.lane_group is None:
             return None
         return Route(self.comm, self._config, group=self.lane_group, shm_free=self._shm_free,
-                     scheme=DataPath.SHM)
+                     scheme=DataPath.SHM, lane=True)
 
     def staging(self, nbytes: int) -> np.ndarray | None:
         """A shared-memory buffer to pack the next fused allreduce into, or None."""
@@ -121,14 +128,21 @@ class Route:
 
     def allreduce(self, buf: np.ndarray, op: ReduceOp, scratch: np.ndarray,
                   counts: Sequence[int] | None = None) -> None:
-        """Reduce ``buf`` in place over this route (Adasum: hierarchical when the route is,
-        else over the set's comm, flat: :mod:`hora.collectives.hierarchical_adasum`; each of
-        the tensors packed in ``buf``, ``counts`` elements each, with its own coefficients)."""
+        """Reduce ``buf`` in place over this route. Adasum: hierarchical when the route is
+        (:mod:`hora.collectives.hierarchical_adasum`), gathered over shared memory on one host
+        (:func:`~hora.collectives.adasum.adasum_gathered`), else over the set's comm; each of
+        the tensors packed in ``buf``, ``counts`` elements each, with its own coefficients."""
         if op is ReduceOp.Adasum:
             if self.scheme is DataPath.SHARD and self._local is not None:
                 shard_adasum(self._local, self._cross, buf, hosts=self._hosts, counts=counts)
             elif self.scheme is DataPath.LEADER and self._local is not None:
                 leader_adasum(self._local, self._cross, buf, hosts=self._hosts, counts=counts)
+            elif self.group is not None and (self._lane or (
+                    buf.nbytes * self.group.size <= ADASUM_GATHER_BYTES
+                    and self._shm_fits(buf.nbytes))):
+                group = self.group
+                adasum_gathered(lambda x, out: group.allgather(x, [x.size] * group.size, out),
+                                group.size, buf, counts=counts)
             else:
                 adasum_allreduce(self.comm, buf, counts=counts)
         elif self.group is not None and self._shm_fits(buf.nbytes):

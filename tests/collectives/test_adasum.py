@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hora.collectives.adasum import adasum_allreduce, check_size, combine
+from hora.collectives.adasum import adasum_allreduce, adasum_gathered, check_size, combine
+from hora.collectives.allgather import allgather
 from hora.collectives.ops import to_dtype
 
 from .helpers import FLOAT_DTYPES
@@ -113,3 +114,24 @@ def test_counts_must_add_up(fake_world: Any) -> None:
             adasum_allreduce(comm, np.ones(5), counts=[2, 2])
 
     fake_world(2, body)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_gathered_equals_the_recursive_exchange(fake_world: Any, n: int, dtype: str) -> None:
+    """One host's form (every vector gathered, the tree computed locally) gives, bit for bit,
+    the recursive exchange's result, fused tensors included."""
+    dt = to_dtype(dtype)
+    rng = np.random.default_rng(11)
+    counts = [9, 0, 30]
+    inputs = [(rng.standard_normal(39) + r).astype(dt) for r in range(n)]
+
+    def body(comm: Any) -> tuple[np.ndarray, np.ndarray]:
+        exchanged, gathered = inputs[comm.rank].copy(), inputs[comm.rank].copy()
+        adasum_allreduce(comm, exchanged, counts=counts)
+        adasum_gathered(lambda x, out: allgather(comm, x, [x.size] * comm.size, out),
+                        comm.size, gathered, counts=counts)
+        return exchanged, gathered
+
+    for exchanged, gathered in fake_world(n, body):
+        assert exchanged.tobytes() == gathered.tobytes()
