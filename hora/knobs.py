@@ -216,8 +216,9 @@ KNOBS: tuple[Knob, ...] = (
     _k("autotune_warmup_samples", int, 3, "--autotune-warmup-samples",
        "Autotune: samples discarded at the start."),
     _k("autotune_steps_per_sample", int, 10, "--autotune-steps-per-sample",
-       "Autotune: a sample's window closes when some tensor was reduced this many more times; "
-       "a sample's score is the median of 5 windows.", minimum=1),
+       "Autotune: a window closes when some tensor was reduced this many times; a sample is 3 "
+       "windows of the setting tried, each followed by one of the starting setting.",
+       minimum=1),
     _k("autotune_bayes_opt_max_samples", int, 20, "--autotune-bayes-opt-max-samples",
        "Autotune: settings of fusion threshold and cycle time measured (the starting one and 4 "
        "probes first, then points proposed by Bayesian optimisation).", minimum=1),

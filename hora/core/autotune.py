@@ -6,9 +6,10 @@ and hands each new setting to the parts that read them (:class:`Retunable`: rank
 coordinator fuses and holds responses by it, the fast lanes' leaders fuse by it, the executor
 builds routes by it).
 
-**Who decides.** Only rank 0 tunes (:mod:`hora.core.autotune_search` scores the setting in force
-from the collectives it runs and picks the next; the optimiser runs on a helper thread, so the
-engine never waits for it). Rank 0 sends every new setting to the other ranks as a
+**Who decides.** Only rank 0 tunes (:mod:`hora.core.autotune_search` measures windows of the
+setting in force from the collectives it runs, the setting tried alternating with the starting
+one, and picks the next; the optimiser runs on a helper thread, so the engine never waits for
+it). Rank 0 sends every new setting (each window's) to the other ranks as a
 :data:`~hora.core.messages.MSG_PARAMS` control message and applies it itself, both on its engine
 thread between two batches of responses. A worker applies it on its engine thread when the
 message arrives: after the responses rank 0 sent before it and before those it sent after, so
@@ -16,8 +17,8 @@ every rank switches at the same point of the response order. Fusion stays consis
 the timing, because one party decides each fusion (the coordinator, or a lane's leader); a
 route (hierarchical or not) is rebuilt by all members of its set at the same response.
 
-When the search is over, the best-scored setting is broadcast as the final one (``active``
-False) and kept for the rest of the job.
+When the search is over, the chosen setting is broadcast as the final one (``active`` False)
+and kept for the rest of the job.
 
 :meth:`Tuning.request` (rank 0, hora-only, for benchmarks and tests) imposes a setting through
 the same path, whether autotune is on or not.
@@ -25,6 +26,7 @@ the same path, whether autotune is on or not.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -35,7 +37,9 @@ from hora._util.log import get_logger
 from hora.collectives.ops import to_dtype
 from hora.config import Config
 from hora.core.autotune_search import (
+    PAIRS,
     CsvLog,
+    PairedSample,
     Params,
     Sampler,
     Search,
@@ -104,6 +108,8 @@ class Tuning:
         self._pending: Params | None = None  # computed, to apply and send (engine thread)
         self._logged = 0  # samples written to the log file
         self._search: Search | None = None
+        self._reference: Params | None = None  # the starting setting: every sample's yardstick
+        self._sample: PairedSample | None = None  # the sample being measured
         self._sampler: Sampler | None = None
         self._log: CsvLog | None = None
         if config.autotune and transport.rank == 0:
@@ -143,18 +149,20 @@ class Tuning:
             self._pending = search.finish()
             return
         self._sampler = Sampler(config.autotune_steps_per_sample)
+        self._reference = search.current
+        self._sample = PairedSample(search.current, search.current)
         self._pending = search.current
-        log.info("autotune: tuning %s from %s; %d warm-up sample(s) of %d windows x %d steps, "
-                 "then %d sample(s)", ", ".join(n for n in ("fusion_threshold", "cycle_time",
-                                                            "hierarchical_allreduce",
-                                                            "hierarchical_allgather")
-                                                if n not in fixed and (auto or "hier" not in n)),
-                 search.current.describe(), config.autotune_warmup_samples, 5,
-                 config.autotune_steps_per_sample, search.planned)
+        log.info("autotune: tuning %s from %s; %d warm-up sample(s), then %d sample(s) of %d "
+                 "windows of %d steps (the setting tried alternating with the starting one)",
+                 ", ".join(n for n in ("fusion_threshold", "cycle_time", "hierarchical_allreduce",
+                                       "hierarchical_allgather")
+                           if n not in fixed and (auto or "hier" not in n)),
+                 search.current.describe(), config.autotune_warmup_samples, search.planned,
+                 2 * PAIRS, config.autotune_steps_per_sample)
 
     # ---- rank 0, any thread that runs a collective ------------------------------------------
     def observe(self, resp: Response) -> None:
-        """Rank 0 ran (or is about to run) ``resp``: count its bytes toward the score."""
+        """Rank 0 ran (or is about to run) ``resp``: count its bytes toward the window."""
         if self._sampler is None:  # tuning is over
             return
         if resp.kind is OpKind.ALLREDUCE:
@@ -166,23 +174,34 @@ class Tuning:
         nbytes = count * to_dtype(resp.dtype).itemsize
         now = time.monotonic()
         with self._lock:
-            sampler = self._sampler
-            # (a finished sample counts nothing more until the next setting restarts it)
-            score = None if sampler is None else sampler.add(resp.names, nbytes, now)
-        if score is not None:
-            threading.Thread(target=self._think, args=(score,), name="hora-autotune",
+            sampler, sample = self._sampler, self._sample
+            # (a closed window counts nothing more until the next setting opens one)
+            rate = None if sampler is None else sampler.add(resp.names, nbytes, now)
+            if rate is None or sample is None:
+                return
+            finished = sample.record(rate)
+            if not finished:
+                self._pending = sample.setting  # the next window's: candidate or reference
+        if finished:
+            threading.Thread(target=self._think, args=(sample,), name="hora-autotune",
                              daemon=True).start()
+        else:
+            self._transport.wake()
 
-    def _think(self, score: float) -> None:
-        """Helper thread: the next setting from ``score`` (the optimiser may take ~0.1 s)."""
+    def _think(self, sample: PairedSample) -> None:
+        """Helper thread: the next setting from a finished sample (the optimiser may take
+        ~0.1 s)."""
         search = self._search
-        assert search is not None
+        assert search is not None and self._reference is not None
         try:
-            nxt = search.tune(score)
+            mine, theirs = sample.rates()
+            nxt = search.tune(sample.score(), f" ({mine:.4g} bytes/us against {theirs:.4g} for "
+                                              "the starting setting)")
         except Exception:  # noqa: BLE001 - a helper thread must not die silently
             log.exception("autotune: the optimiser failed; keeping the best setting so far")
             nxt = search.finish()
         with self._lock:
+            self._sample = PairedSample(nxt, self._reference) if nxt.active else None
             self._pending = nxt
         try:
             self._transport.wake()
@@ -191,8 +210,8 @@ class Tuning:
 
     # ---- rank 0, engine thread ----------------------------------------------------------------
     def poll(self) -> bool:
-        """Apply and send a setting that is due (the tuner's next, or a request); True if one
-        was applied."""
+        """Apply and send a setting that is due (the next window's, the final one, or a
+        request); True if one was applied."""
         if self._pending is None and self._requested is None:
             return False
         with self._lock:
@@ -209,21 +228,22 @@ class Tuning:
             return False
         self._write_log(pending)
         same = pending.active and self.applied and pending.same_setting(self.current)
-        if not same:  # (a warm-up sample keeps the setting: nothing to send)
+        if not same:  # (the same setting again, e.g. while warming up: nothing to send)
             self._send(pending)
             self.apply(pending)
         if pending.active:
             with self._lock:
                 if self._sampler is not None:
-                    self._sampler.reset(time.monotonic())
+                    self._sampler.start(time.monotonic())
         else:
             with self._lock:
                 self._sampler = None
             search = self._search
             assert search is not None
             best = search.best[1] if search.best is not None else float("nan")
-            log.info("autotune: done after %d sample(s); best: %s (score %.4g bytes/us)",
-                     len(search.history), pending.describe(), best)
+            log.info("autotune: done after %d sample(s); best: %s (score %.3f: its bytes per "
+                     "second over the starting setting's)", len(search.history),
+                     pending.describe(), best)
         return not same
 
     def _write_log(self, nxt: Params) -> None:
@@ -279,8 +299,8 @@ class Tuning:
             target.retune(self._config)
         self.current = params
         self.applied.append(params)
-        log.info("autotune: %s (%s)", params.describe(),
-                 "trying" if params.active else "final")
+        log.log(logging.DEBUG if params.active else logging.INFO, "autotune: %s (%s)",
+                params.describe(), "trying" if params.active else "final")
 
 
 def _prod(shape: Sequence[int]) -> int:

@@ -5,16 +5,22 @@ Half of :mod:`hora.core.autotune` (which applies settings on every rank). Horovo
 
 * :class:`Params` is one setting of the tunables: fusion threshold, cycle time, hierarchical
   allreduce and allgather (and whether tuning goes on);
-* :class:`Sampler` scores the setting in force: bytes allreduced (and allgathered) per
+* :class:`Sampler` measures the setting in force: bytes allreduced (and allgathered) per
   microsecond over a *window* that closes when some tensor name has been seen
-  ``steps_per_sample`` more times; the median of :data:`WINDOWS` windows is the setting's score;
+  ``steps_per_sample`` more times;
+* :class:`PairedSample` scores a candidate setting against the starting one: their windows
+  alternate, and the score is the median of the candidate's rate over the starting setting's in
+  the window next to it (1.0: as fast). Horovod scores bytes per microsecond of the candidate
+  alone, which a machine whose speed drifts while tuning turns into noise;
 * :class:`Search` turns scores into the next setting: the first ``warmup_samples`` scores are
   discarded; then the fusion threshold and cycle time are tuned jointly (the starting setting
   and four probes first, then points proposed by Bayesian optimisation) for
   ``bayes_opt_max_samples`` samples; then each applicable on/off choice (hierarchical allreduce,
   then hierarchical allgather, for jobs spanning hosts with several ranks on a host) is tried
-  the other way round with the best setting so far. The best-scored setting wins. A tunable the
-  user set explicitly is fixed and left out of the search;
+  the other way round with the best setting so far. The joint search's best is the measured
+  setting whose score the Gaussian process estimates highest (not the single luckiest sample);
+  an on/off choice is kept when its sample beats that estimate. A tunable the user set
+  explicitly is fixed and left out of the search;
 * :class:`CsvLog` writes ``HOROVOD_AUTOTUNE_LOG`` in Horovod's columns.
 """
 
@@ -26,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
+import numpy as np
+
 from hora._util.log import get_logger
 from hora.config import Config
 from hora.core.bayesopt import BayesianOptimizer
@@ -34,8 +42,9 @@ from hora.knobs import MiB
 
 log = get_logger(__name__)
 
-WINDOWS = 5
-"""Windows per sample; their median is the sample's score (Horovod's)."""
+PAIRS = 3
+"""Windows of the candidate per sample, each followed by one of the reference (the starting
+setting); Horovod measures 5 windows of the candidate alone."""
 
 FUSION_MB = (0.0, 64.0)
 """Range searched for the fusion threshold, in MB (Horovod's)."""
@@ -133,45 +142,72 @@ def fixed_by_user(env: Any) -> frozenset[str]:
 
 
 class Sampler:
-    """Scores the setting in force from the collectives rank 0 runs (Horovod's ``Update``)."""
+    """Measures one window of the setting in force from the collectives rank 0 runs: bytes per
+    microsecond until some tensor name is seen ``steps_per_sample`` more times (the op that
+    closes it is not counted: it belongs to the next window)."""
 
     def __init__(self, steps_per_sample: int) -> None:
         self._steps = max(1, steps_per_sample)
         self._counts: dict[str, int] = {}
-        self._window = WINDOWS  # nothing is counted before the first reset
+        self._open = False  # nothing is counted before the first start
         self._bytes = 0
         self._start = 0.0
-        self._scores: list[float] = []
 
-    def reset(self, now: float) -> None:
-        """Start a new sample at ``now`` (seconds)."""
+    def start(self, now: float) -> None:
+        """Open a window at ``now`` (seconds)."""
         self._counts.clear()
-        self._window = 0
         self._bytes = 0
         self._start = now
-        self._scores = []
+        self._open = True
 
     def add(self, names: Sequence[str], nbytes: int, now: float) -> float | None:
-        """Count a collective of ``nbytes`` over tensors ``names`` at ``now``; the sample's score
-        (median bytes per microsecond of its windows) when this closes its last window, else
-        None (also for anything counted after that, until :meth:`reset`)."""
-        if self._window >= WINDOWS:
+        """Count a collective of ``nbytes`` over tensors ``names`` at ``now``; the window's bytes
+        per microsecond when this closes it, else None (also after that, until :meth:`start`)."""
+        if not self._open:
             return None
-        limit = (self._window + 1) * self._steps
         for name in names:
             seen = self._counts.get(name, 0)
+            if seen >= self._steps:
+                self._open = False
+                return self._bytes / (max(now - self._start, 1e-6) * 1e6)
             self._counts[name] = seen + 1
-            if seen >= limit:
-                elapsed_us = max(now - self._start, 1e-6) * 1e6
-                self._scores.append(self._bytes / elapsed_us)
-                self._bytes = 0
-                self._start = now
-                self._window += 1
-                break
         self._bytes += nbytes
-        if self._window >= WINDOWS:
-            return statistics.median(self._scores)
         return None
+
+
+class PairedSample:
+    """One sample: windows of ``candidate`` alternating with windows of ``reference`` (C R C R
+    ...), :data:`PAIRS` of each. Its score is the median over the pairs of the candidate's rate
+    over the reference's in the window next to it, so a machine that speeds up or slows down
+    while tuning (other jobs, turbo, thermal limits) moves both alike and cancels out."""
+
+    def __init__(self, candidate: Params, reference: Params) -> None:
+        self.candidate = candidate
+        self.reference = reference
+        self._rates: list[float] = []
+
+    @property
+    def setting(self) -> Params:
+        """The setting of the next window."""
+        return self.candidate if len(self._rates) % 2 == 0 else self.reference
+
+    @property
+    def done(self) -> bool:
+        return len(self._rates) >= 2 * PAIRS
+
+    def record(self, rate: float) -> bool:
+        """The next window measured ``rate`` bytes/us; True when the sample is complete."""
+        self._rates.append(rate)
+        return self.done
+
+    def score(self) -> float:
+        """Median of candidate rate / reference rate over the pairs (1.0: as fast)."""
+        pairs = zip(self._rates[0::2], self._rates[1::2])
+        return statistics.median(c / r if r > 0 else (1.0 if c == 0 else 2.0) for c, r in pairs)
+
+    def rates(self) -> tuple[float, float]:
+        """Median bytes/us of the candidate's windows and of the reference's."""
+        return statistics.median(self._rates[0::2]), statistics.median(self._rates[1::2])
 
 
 class CsvLog:
@@ -255,8 +291,9 @@ class Search:
         """Scored samples the search takes in all (warm-up aside)."""
         return self._max + len(self._categorical)
 
-    def tune(self, score: float) -> Params:
-        """Feed the score of :attr:`current`; the next setting (``active`` False: the final)."""
+    def tune(self, score: float, detail: str = "") -> Params:
+        """Feed the score of :attr:`current` (``detail``: what the log line adds); the next
+        setting (``active`` False: the final)."""
         if self._warmup > 0:
             self._warmup -= 1
             log.info("autotune: warming up (%d sample(s) remaining)", self._warmup)
@@ -268,9 +305,9 @@ class Search:
         hier = (self._auto if scored.hierarchical_allreduce is None
                 else scored.hierarchical_allreduce)
         log.info("autotune: [hierarchical_allreduce, hierarchical_allgather, cycle_time_ms, "
-                 "tensor_fusion_threshold] = [%d, %d, %g ms, %g MB] score %.4g bytes/us "
+                 "tensor_fusion_threshold] = [%d, %d, %g ms, %g MB] score %.4g%s "
                  "(sample %d of %d)", hier, scored.hierarchical_allgather, scored.cycle_time,
-                 scored.fusion_threshold / MiB, score, len(self.history), self.planned)
+                 scored.fusion_threshold / MiB, score, detail, len(self.history), self.planned)
         nxt = self._next(scored, score)
         self.current = nxt
         return nxt
@@ -292,6 +329,8 @@ class Search:
                 if self._joint < len(self._probes):
                     return self._with_point(scored, self._probes[self._joint])
                 return self._with_point(scored, self._full(self._bo.propose()))
+            if self._bo is not None:
+                self.best = self._model_best()
         if len(self._tried) < len(self._categorical):
             name = self._categorical[len(self._tried)]
             self._tried.append(name)
@@ -301,6 +340,19 @@ class Search:
                 value = self._auto
             return replace(best, **{name: not value}, active=True)
         return self.finish()
+
+    def _model_best(self) -> tuple[Params, float]:
+        """The joint search's choice: of the settings it measured, the one whose score the
+        Gaussian process estimates highest (its posterior mean), with that estimate. A noisy
+        sample that got lucky is outvoted by its neighbours; the best single score is not."""
+        assert self._bo is not None
+        measured = self.history[:self._max]
+        mean, _ = self._bo.predict([self._point(p) for p, _ in measured])
+        i = int(np.argmax(mean))
+        log.info("autotune: the model's best of %d settings: %s, estimated score %.4g (measured "
+                 "%.4g; the best single score was %.4g)", len(measured), measured[i][0].describe(),
+                 mean[i], measured[i][1], max(score for _, score in measured))
+        return measured[i][0], float(mean[i])
 
     # ---- points of the joint search: (fusion MB, cycle ms) ------------------------------------
     def _point(self, params: Params) -> list[float]:
@@ -319,5 +371,5 @@ class Search:
                        cycle_time=round(float(ms), 3))
 
 
-__all__ = ["CYCLE_MS", "FUSION_MB", "HEADER", "PROBES", "TUNABLES", "WINDOWS", "CsvLog",
-           "Params", "Sampler", "Search", "fixed_by_user"]
+__all__ = ["CYCLE_MS", "FUSION_MB", "HEADER", "PAIRS", "PROBES", "TUNABLES", "CsvLog",
+           "PairedSample", "Params", "Sampler", "Search", "fixed_by_user"]

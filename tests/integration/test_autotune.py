@@ -1,7 +1,7 @@
 """Autotune in real jobs (``hora run --autotune`` and ranks started as torchrun would).
 
 A small training loop (``autotune_worker.py``) runs until rank 0's tuner has settled: the log
-file has Horovod's columns, one row per sample and the best-scored setting last; the settings
+file has Horovod's columns, one row per sample and the chosen setting last; the settings
 changed from sample to sample; every rank applied the same settings in the same order; the
 trained weights are the same bytes on every rank. Across hosts (ranks with their own
 ``HORA_HOSTNAME``), hierarchical allreduce and allgather are tried the other way round, every
@@ -62,8 +62,9 @@ def test_autotune_settles_on_the_best_scored_setting_alike_on_every_rank(tmp_pat
     assert len(rows) == 6 + 1, rows  # one per sample, the best last
     samples, final = rows[:-1], rows[-1]
     assert len({(r["tensor_fusion_threshold"], r["cycle_time_ms"]) for r in samples}) >= 4
-    best = max(samples, key=lambda r: r["score"])
-    assert _setting(final) == _setting(best) and final["score"] == best["score"]
+    # the last row: the measured setting the model rates best, with its estimate
+    assert any(_setting(final) == _setting(r) for r in samples), (final, samples)
+    assert min(r["score"] for r in samples) <= final["score"] <= max(r["score"] for r in samples)
     assert {r["torus_allreduce"] for r in rows} == {0} and {r["cache_enabled"] for r in rows} == {1}
     # the first sample is the starting setting (128 MB clipped to 64), then Horovod's probes
     assert [(r["tensor_fusion_threshold"], r["cycle_time_ms"]) for r in samples[:5]] == [
@@ -83,12 +84,14 @@ def test_autotune_settles_on_the_best_scored_setting_alike_on_every_rank(tmp_pat
                                                       final["cycle_time_ms"])
     rank0 = [ln for ln in done.err.splitlines() if ln.startswith("[0]<stderr>")]
     assert sum("autotune: [hierarchical_allreduce" in ln and " score " in ln
-               for ln in rank0) == 6
+               and "for the starting setting" in ln for ln in rank0) == 6
     assert sum("autotune: warming up" in ln for ln in rank0) == 1
     assert any("autotune: done after 6 sample(s); best: fusion threshold" in ln for ln in rank0)
-    rank1 = [ln for ln in done.err.splitlines() if ln.startswith("[1]<stderr>")]
-    assert sum("hora.core.autotune] autotune: fusion threshold" in ln for ln in rank1) == len(
-        applied)
+    assert any("autotune: the model's best of 6 settings:" in ln for ln in rank0)
+    for rank in (0, 1):  # every rank logs the final setting
+        lines = [ln for ln in done.err.splitlines() if ln.startswith(f"[{rank}]<stderr>")
+                 and "hora.core.autotune] autotune: fusion threshold" in ln]
+        assert len(lines) == 1 and lines[0].endswith("(final)"), lines
 
 
 def _spawn_across_hosts(tmp_path: Path, hostnames: list[str], extra: dict[str, str]
@@ -122,7 +125,8 @@ def test_across_hosts_hierarchical_choices_are_tried_and_routes_rebuilt_together
     assert {(r["tensor_fusion_threshold"], r["cycle_time_ms"]) for r in rows} == {(8, 0)}
     assert [(r["hierarchical_allreduce"], r["hierarchical_allgather"]) for r in rows[:2]] == [
         (1, 0), (0, 0)]
-    better_allreduce = rows[0] if rows[0]["score"] > rows[1]["score"] else rows[1]
+    better_allreduce = rows[0] if rows[0]["score"] >= rows[1]["score"] else rows[1]  # (a tie:
+    # the first stays best)
     assert (rows[2]["hierarchical_allreduce"], rows[2]["hierarchical_allgather"]) == (
         better_allreduce["hierarchical_allreduce"], 1)
     best = max(rows[:-1], key=lambda r: r["score"])
