@@ -32,6 +32,13 @@ from hora.tensorflow.functions import (
     broadcast_variables,
 )
 from hora.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
+from hora.tensorflow.graph_ops import (
+    local_rank_op,
+    local_size_op,
+    process_set_included_op,
+    rank_op,
+    size_op,
+)
 from hora.tensorflow.mpi_ops import (
     allgather,
     allreduce,
@@ -45,11 +52,17 @@ from hora.tensorflow.mpi_ops import (
     join,
     reducescatter,
 )
+from hora.tensorflow.sync_batch_norm import SyncBatchNormalization
+from hora.tensorflow.v1_optimizer import DistributedOptimizer
+from hora.tensorflow.v1_session import BroadcastGlobalVariablesHook, broadcast_global_variables
 
 __all__ = [
     *_basics.__all__,
-    "Compression", "DistributedGradientTape", "PartialDistributedGradientTape", "allgather",
-    "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_",
-    "broadcast_object", "broadcast_object_fn", "broadcast_variables", "elastic",
-    "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "join", "reducescatter",
+    "BroadcastGlobalVariablesHook", "Compression", "DistributedGradientTape",
+    "DistributedOptimizer", "PartialDistributedGradientTape", "SyncBatchNormalization",
+    "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
+    "broadcast_", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
+    "broadcast_variables", "elastic", "grouped_allgather", "grouped_allreduce",
+    "grouped_reducescatter", "join", "local_rank_op", "local_size_op",
+    "process_set_included_op", "rank_op", "reducescatter", "size_op",
 ]

@@ -10,18 +10,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import tensorflow as tf
+
 from hora.core import objects as _objects
 from hora.core.process_set import ProcessSet, global_process_set
-from hora.tensorflow.mpi_ops import broadcast_
+from hora.tensorflow.mpi_ops import broadcast_assign
 
 
 def broadcast_variables(variables: Any, root_rank: int,
                         process_set: ProcessSet = global_process_set,
-                        inplace: bool = False) -> None:
+                        inplace: bool = False) -> Any:
     """Assign ``root_rank``'s values to every ``tf.Variable`` of ``variables`` (one group of
     broadcasts, in list order). ``inplace`` is accepted for Horovod compatibility (variables
-    are always assigned in place)."""
-    broadcast_(list(variables), root_rank, process_set=process_set)
+    are always assigned in place). Returns None eagerly; in a graph the ``tf.group`` op of the
+    assigns, as Horovod does (a TF1 session must run it)."""
+    assigns = broadcast_assign(list(variables), root_rank, process_set=process_set)
+    return None if tf.executing_eagerly() else tf.group(*assigns)
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None,

@@ -190,9 +190,16 @@ def broadcast_(variables: Any, root_rank: int, name: str | None = None,
     """In place: assign ``root_rank``'s values to ``variables`` (a variable, ``tf.Variable`` or
     Keras, or a list of them), as one group of broadcasts. Returns ``variables``."""
     single = not isinstance(variables, (list, tuple))
-    var_list = [variables] if single else list(variables)
+    broadcast_assign([variables] if single else list(variables), root_rank, name, process_set)
+    return variables
+
+
+def broadcast_assign(var_list: list[Any], root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
+    """:func:`broadcast_`'s work: one host call broadcasts every variable, then one assign
+    each. Returns the assigns (in a TF1 graph, what a session must run)."""
     if not var_list:
-        return variables
+        return []
     xs = [check_dtype(v, _sp.MOVE) for v in var_list]
     base = op_name(name) or None
 
@@ -204,9 +211,7 @@ def broadcast_(variables: Any, root_rank: int, name: str | None = None,
         return [h.wait() for h in handles]
 
     values = host_call(run, xs, [x.dtype for x in xs], "HoraBroadcastInplace")
-    for v, value in zip(var_list, values):
-        v.assign(tf.reshape(value, tf.shape(v)))
-    return variables
+    return [v.assign(tf.reshape(value, tf.shape(v))) for v, value in zip(var_list, values)]
 
 
 # ---- alltoall ----------------------------------------------------------------------------------
