@@ -242,8 +242,8 @@ def simple() -> None:
 def adasum() -> None:
     """op=Adasum through the numpy API: the pairwise formula on every rank (rank r's vector is
     e_r + 1: a known answer), ints refused, a 3-rank process set refused."""
-    three = hora.ProcessSet([0, 1, 2])
-    hora.init(process_sets=[three])
+    three = hora.ProcessSet([0, 1, 2])  # a set of 3 ranks (only where the job has them)
+    hora.init(process_sets=[three] if int(os.environ["HOROVOD_SIZE"]) >= 3 else [])
     r, n = hora.rank(), hora.size()
     x = np.ones(n, np.float64)
     x[r] += 1.0
@@ -257,7 +257,7 @@ def adasum() -> None:
         level = nxt
     assert np.allclose(got, level[0]), (got, level[0])
     refused = [(np.ones(2, np.int32), hora.global_process_set, "floating-point", ValueError)]
-    if r in (0, 1, 2):
+    if r in (0, 1, 2) and n >= 3:
         refused.append((np.ones(2), three, "non-power of 2 ranks is not supported yet: this "
                         "process set has 3 ranks", NotImplementedError))
     for bad, ps, match, error in refused:
