@@ -241,7 +241,10 @@ class CsvLog:
 
 
 class Search:
-    """Rank 0's choice of settings (see the module docstring).
+    """Rank 0's choice of settings (see the module docstring). Scores are relative to the
+    starting setting (:class:`PairedSample`): the starting setting's is 1 by definition, so its
+    own measurement (the first sample: the noise of one sample, for the log) reaches the model
+    as exactly 1, and a setting must show better scores than the noise to be preferred to it.
 
     Args:
         start: the setting the job started with (the first one measured).
@@ -322,8 +325,9 @@ class Search:
         assert self.best is not None
         if self._joint < self._max:  # this score was of the joint search
             self._joint += 1
-            if self._bo is not None:
-                self._bo.add(self._point(scored), score)
+            if self._bo is not None:  # the starting setting scores 1 against itself, exactly
+                start = self._joint == 1
+                self._bo.add(self._point(scored), 1.0 if start else score, exact=start)
             if self._joint < self._max:
                 assert self._bo is not None
                 if self._joint < len(self._probes):

@@ -80,13 +80,16 @@ class BayesianOptimizer:
         self._seed = seed
         self._x: list[np.ndarray] = []  # unit-cube points
         self._y: list[float] = []
+        self._exact: list[bool] = []  # known without measurement noise
 
     @property
     def dims(self) -> int:
         return len(self._low)
 
-    def add(self, point: Sequence[float], score: float) -> None:
-        """Record ``score`` measured at ``point`` (in the box's units; clipped into the box)."""
+    def add(self, point: Sequence[float], score: float, *, exact: bool = False) -> None:
+        """Record ``score`` measured at ``point`` (in the box's units; clipped into the box);
+        ``exact``: the score is known without noise (the Gaussian process then goes through
+        it)."""
         if not math.isfinite(score):
             raise ValueError(f"score must be finite, got {score}")
         x = (np.asarray(point, dtype=np.float64) - self._low) / self._span
@@ -94,6 +97,7 @@ class BayesianOptimizer:
             raise ValueError(f"point must have {self.dims} coordinates, got {list(point)}")
         self._x.append(np.clip(x, 0.0, 1.0))
         self._y.append(float(score))
+        self._exact.append(exact)
 
     def best(self) -> tuple[list[float], float]:
         """The measured point with the highest score, and that score.
@@ -158,7 +162,8 @@ class BayesianOptimizer:
         kernel = kernels.ConstantKernel(1.0, (1e-2, 1e2)) * kernels.RBF(
             length_scale=np.full(self.dims, 0.3), length_scale_bounds=(0.05, 10.0))
         model = self._gp_module.GaussianProcessRegressor(
-            kernel=kernel, alpha=self._noise ** 2 + 1e-6, normalize_y=False,
+            kernel=kernel, normalize_y=False,
+            alpha=np.array([1e-6 if exact else self._noise ** 2 + 1e-6 for exact in self._exact]),
             n_restarts_optimizer=2, random_state=self._seed)
         import warnings
 
