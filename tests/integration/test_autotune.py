@@ -62,9 +62,12 @@ def test_autotune_settles_on_the_best_scored_setting_alike_on_every_rank(tmp_pat
     assert len(rows) == 6 + 1, rows  # one per sample, the best last
     samples, final = rows[:-1], rows[-1]
     assert len({(r["tensor_fusion_threshold"], r["cycle_time_ms"]) for r in samples}) >= 4
-    # the last row: the measured setting the model rates best, with its estimate
+    # the last row: the measured setting the model rates best, with its estimate (scores are
+    # relative to the starting setting, whose own is 1 by definition)
     assert any(_setting(final) == _setting(r) for r in samples), (final, samples)
-    assert min(r["score"] for r in samples) <= final["score"] <= max(r["score"] for r in samples)
+    if _setting(final) == _setting(samples[0]):
+        assert final["score"] == pytest.approx(1.0, abs=1e-3)
+    assert all(0 < r["score"] < 10 for r in rows)
     assert {r["torus_allreduce"] for r in rows} == {0} and {r["cache_enabled"] for r in rows} == {1}
     # the first sample is the starting setting (128 MB clipped to 64), then Horovod's probes
     assert [(r["tensor_fusion_threshold"], r["cycle_time_ms"]) for r in samples[:5]] == [
