@@ -182,13 +182,16 @@ def adasum_allreduce(comm: Comm, buf: np.ndarray, *, counts: Sequence[int] | Non
 
 
 def adasum_gathered(gather: Callable[[np.ndarray, np.ndarray], None], size: int,
-                    buf: np.ndarray, *, counts: Sequence[int] | None = None) -> None:
+                    buf: np.ndarray, *, counts: Sequence[int] | None = None,
+                    barrier: Callable[[], None] | None = None) -> None:
     """:func:`adasum_allreduce` for ranks that can see each other's vectors (one host's shared
     memory): ``gather(buf, out)`` fills ``out`` (``size * buf.size`` elements) with every rank's
     ``buf`` in rank order, then every rank computes the same tree itself. The pairs, the
     float64 arithmetic and the rounding to the dtype after each level are the recursive
     exchange's, so the result is the same, bit for bit, on every rank; one gather replaces
     ``log2(size)`` exchanges (each a wait for a peer) at the cost of ``size - 1`` combinations.
+    ``barrier`` (every rank of the group) runs once the result is computed, so that no rank
+    finishes, and perhaps shuts down, while another still reads or computes.
 
     Raises:
         NotImplementedError, ValueError: as :func:`adasum_allreduce`.
@@ -215,6 +218,8 @@ def adasum_gathered(gather: Callable[[np.ndarray, np.ndarray], None], size: int,
                                   lengths).astype(buf.dtype, copy=False))
         level = nxt
     buf[...] = level[0]
+    if barrier is not None:
+        barrier()
 
 
 __all__ = ["FLOAT_DTYPES", "NORM_FLOOR", "DotSum", "adasum_allreduce", "adasum_gathered",

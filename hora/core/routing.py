@@ -142,7 +142,7 @@ class Route:
                     and self._shm_fits(buf.nbytes))):
                 group = self.group
                 adasum_gathered(lambda x, out: group.allgather(x, [x.size] * group.size, out),
-                                group.size, buf, counts=counts)
+                                group.size, buf, counts=counts, barrier=group.barrier)
             else:
                 adasum_allreduce(self.comm, buf, counts=counts)
         elif self.group is not None and self._shm_fits(buf.nbytes):
