@@ -12,15 +12,17 @@ fixed synthetic batch:
 1. **tuning**: steps run until rank 0's autotuner has settled (the ranks check every 10 steps
    whether any still tunes); the steps and the time this took are reported, with the log file;
 2. **comparison**: the tuned setting and a few hand-picked (fusion threshold, cycle time)
-   settings are measured in rounds, interleaved (each round runs every setting for ``--steps``
-   steps, the order rotated per round). A setting is imposed on every rank between rounds
+   settings are measured in rounds; in each round every hand-picked setting runs ``--steps``
+   steps with a block of the tuned setting before and after it (T A T B T C ..., the order of
+   the hand-picked ones rotated per round). A setting is imposed on every rank between blocks
    through the path autotune itself uses (``Tuning.request`` on rank 0, which sends it to the
    others; then a barrier), so only the tunables differ between settings.
 
 Samples/s count both ranks (``size * batch * steps`` over the slower rank's time); medians over
-rounds, with the min and max. ``tuned/best`` is the tuned setting's samples/s over the
-hand-picked setting with the best median (ratio of medians, and median of per-round ratios).
-When the tuned setting is one of the hand-picked ones, their ratio shows the run's noise.
+blocks, with the min and max. ``tuned/it`` is a hand-picked block's time over the mean of the
+two tuned blocks beside it (a few seconds apart, so a machine whose speed drifts moves both),
+median over rounds: above 1, the tuned setting is faster. When the tuned setting is one of the
+hand-picked ones, their ratio shows the run's noise between identical settings.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import train_step  # noqa: E402  (the workload: its MLP)
 MiB = 1024 * 1024
 HAND_PICKED: tuple[tuple[float, float], ...] = (
     (128.0, 0.0),  # hora's defaults
-    (64.0, 0.0),
+    (64.0, 0.0),  # the same as 128 MB for this model (22 MiB of gradients): shows the noise
     (32.0, 1.0),  # Horovod-like: 32 MB buffers, a 1 ms cycle
     (4.0, 0.0),
     (0.0, 0.0),  # no fusion
@@ -93,41 +95,53 @@ def worker(args: argparse.Namespace) -> None:
         settings[f"{mb:g} MB, {ms:g} ms"] = Params(int(mb * MiB), ms, tuned.hierarchical_allreduce,
                                                    tuned.hierarchical_allgather, active=False)
 
-    # 2. comparison, interleaved
-    names = list(settings)
-    times: dict[str, list[float]] = {n: [] for n in names}
+    # 2. comparison, interleaved: the tuned setting between every two hand-picked ones
+    hand = [n for n in settings if n != "tuned"]
+    blocks: list[list[tuple[str, float]]] = []  # per round: (setting, seconds) in run order
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
+        order = hand[r % len(hand):] + hand[:r % len(hand)]
+        sequence = ["tuned"] + [x for n in order for x in (n, "tuned")]
+        run: list[tuple[str, float]] = []
+        for name in sequence:
             if rank == 0 and not tuning.active:
                 tuning.request(settings[name])
             hvd.barrier()  # every rank runs with it (the request was sent before the barrier)
             start = time.perf_counter()
             for _ in range(args.steps):
                 step()
-            times[name].append(time.perf_counter() - start)
-    all_times = hvd.allgather_object(times, name="times")
+            run.append((name, time.perf_counter() - start))
+        blocks.append(run)
+    all_blocks = hvd.allgather_object(blocks, name="blocks")
     applied = hvd.allgather_object([p.to_wire() for p in tuning.applied], name="applied")
     with torch.no_grad():
         digest = float(sum(p.double().sum() for p in model.parameters()))
     sums = hvd.allgather_object(digest, name="digest")
     if rank == 0:
-        _report(args, size, n_params, steps, tuning_s, tuned, all_times, applied, sums,
+        _report(args, size, n_params, steps, tuning_s, tuned, all_blocks, applied, sums,
                 still_tuning=tuning.active)
     hvd.shutdown()
 
 
 def _report(args: argparse.Namespace, size: int, n_params: int, steps: int, tuning_s: float,
-            tuned: Any, all_times: list[dict[str, list[float]]], applied: list[Any],
+            tuned: Any, all_blocks: list[list[list[tuple[str, float]]]], applied: list[Any],
             sums: list[float], *, still_tuning: bool) -> None:
     samples = size * args.batch_size * args.steps
-    names = list(all_times[0])
-    slowest = {n: [max(t[n][r] for t in all_times) for r in range(args.rounds)] for n in names}
-    rate = {n: [samples / t for t in slowest[n]] for n in names}
-    med = {n: statistics.median(rate[n]) for n in names}
-    hand = [n for n in names if n != "tuned"]
+    # each block's time: the slower rank's
+    rounds = [[(name, max(rank_blocks[r][b][1] for rank_blocks in all_blocks))
+               for b, (name, _) in enumerate(all_blocks[0][r])] for r in range(args.rounds)]
+    rate: dict[str, list[float]] = {}
+    paired: dict[str, list[float]] = {}  # tuned/h: h's time over the tuned blocks beside it
+    for run in rounds:
+        for b, (name, seconds) in enumerate(run):
+            rate.setdefault(name, []).append(samples / seconds)
+            if name != "tuned":
+                beside = (run[b - 1][1] + run[b + 1][1]) / 2
+                paired.setdefault(name, []).append(seconds / beside)
+    med = {n: statistics.median(v) for n, v in rate.items()}
+    hand = [n for n in rate if n != "tuned"]
     best = max(hand, key=lambda n: med[n])
-    per_round = [rate["tuned"][r] / rate[best][r] for r in range(args.rounds)]
+    ratio = {n: statistics.median(paired[n]) for n in hand}
+    strongest = min(hand, key=lambda n: ratio[n])
     twin = [n for n in hand if settings_equal(n, tuned)]
     dims = "-".join(["784", *[str(args.hidden)] * args.depth, "10"])
     print(f"\nautotune vs hand-picked settings, {size} ranks x 1 thread, MLP {dims} "
@@ -139,19 +153,24 @@ def _report(args: argparse.Namespace, size: int, n_params: int, steps: int, tuni
     print(f"\ntuning: {steps} steps in {tuning_s:.1f} s ({rate_tuning:.0f} samples/s while "
           f"tuning){'; STILL TUNING at the step limit' if still_tuning else ''}")
     print(f"tuned setting: {tuned.describe()}; log file: {args.log_file}")
-    print(f"\ncomparison: {args.rounds} rounds x {args.steps} steps per setting (rotated order)")
-    print(f"{'setting':>16} | {'samples/s':>10} {'min':>8} {'max':>8} | {'ms/step':>8}")
-    for n in names:
+    print(f"\ncomparison: {args.rounds} rounds; in each, {args.steps} steps of the tuned setting "
+          f"before and after each hand-picked one (rotated order)")
+    print(f"{'setting':>24} | {'samples/s':>9} {'min':>7} {'max':>7} | {'ms/step':>7} | "
+          f"{'tuned/it, adjacent blocks: median [min, max]':>44}")
+    for n in ["tuned", *hand]:
         label = f"tuned ({tuned.fusion_threshold / MiB:.1f} MB, {tuned.cycle_time:.2f} ms)" \
             if n == "tuned" else n
-        print(f"{label:>16} | {med[n]:10.1f} {min(rate[n]):8.1f} {max(rate[n]):8.1f} | "
-              f"{statistics.median(slowest[n]) / args.steps * 1e3:8.1f}")
-    print(f"\nbest hand-picked: {best}; tuned/best samples/s: {med['tuned'] / med[best]:.3f} "
-          f"(ratio of medians), {statistics.median(per_round):.3f} (median of per-round ratios; "
-          f"min {min(per_round):.3f}, max {max(per_round):.3f})")
+        pair = "" if n == "tuned" else (f"{ratio[n]:.3f} [{min(paired[n]):.3f}, "
+                                         f"{max(paired[n]):.3f}]")
+        print(f"{label:>24} | {med[n]:9.1f} {min(rate[n]):7.1f} {max(rate[n]):7.1f} | "
+              f"{samples / med[n] / args.steps * 1e3:7.1f} | "
+              f"{pair:>44}")
+    print(f"\ntuned against the strongest hand-picked setting ({strongest}), adjacent blocks: "
+          f"{ratio[strongest]:.3f}; against the best median ({best}): {ratio[best]:.3f} "
+          f"(ratio of medians {med['tuned'] / med[best]:.3f})")
     if twin:
-        print(f"the tuned setting is the hand-picked '{twin[0]}': tuned/'{twin[0]}' = "
-              f"{med['tuned'] / med[twin[0]]:.3f} is this run's noise between identical settings")
+        print(f"the tuned setting is the hand-picked '{twin[0]}': tuned/it = {ratio[twin[0]]:.3f} "
+              "is this run's noise between identical settings")
     print("every rank applied the same settings: "
           + ("yes" if all(a == applied[0] for a in applied) else "NO"))
     print("replicas identical across ranks: " + ("yes" if len(set(sums)) == 1 else "NO"))
@@ -189,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--np", type=int, default=2, help="ranks")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per setting and round")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per step, per rank")
     parser.add_argument("--hidden", type=int, default=2048, help="hidden layer width")
     parser.add_argument("--depth", type=int, default=2, help="hidden layers")
