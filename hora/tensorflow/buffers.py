@@ -27,9 +27,10 @@ import numpy as np
 ALIGN = 64
 """Bytes: TensorFlow adopts a returned array without a copy when its data is this aligned."""
 
-DEPTH = 3
-"""Arrays kept per name: one a step is normally enough (TensorFlow lets go of a step's results
-before the next step's host call, or one step later), more in flight are allocated anew."""
+DEPTH = 2
+"""Arrays kept per name. One is normally enough (Keras ``fit``: TensorFlow has let go of a
+step's results before the next step's host call); two when its release of them is still pending
+then (a bare ``tf.function``). Results held longer get new arrays, which are not kept."""
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
