@@ -6,18 +6,21 @@ dtype tables) handed to :func:`apply`:
 
 * **eagerly** (concrete arrays), the leaves' host values are handed over (``np.asarray``: no
   copy for CPU arrays) and the results come back as ``jax.Array``;
-* **traced** (``jit``, ``grad``, ``vmap``, ``scan``...), the call becomes one
-  ``jax.pure_callback`` whose output shapes are fixed at trace time, wrapped in a
-  ``jax.custom_vjp`` whose backward pass is another callback running the rule of
-  :mod:`hora.core.gradients`. Op names are chosen at trace time, so ranks pair the ops of a
-  compiled step by name whatever order XLA runs the callbacks in, and a step that repeats keeps
-  its names (the fast lane's steady state). Under ``vmap`` the callback runs once per batch
-  element (``vmap_method="sequential"``): the collective of each element, in order.
+* **traced** (``jit``, ``grad``, ``vmap``, ``scan``...), the call becomes one host call of the
+  program whose output shapes are fixed at trace time (:mod:`hora.jax.host_call`, an XLA FFI
+  custom call, on CPU; ``jax.pure_callback`` elsewhere), wrapped in a ``jax.custom_vjp`` whose
+  backward pass is another host call running the rule of :mod:`hora.core.gradients`. Op names
+  are chosen at trace time, so ranks pair the ops of a compiled step by name whatever order XLA
+  runs the calls in, and a step that repeats keeps its names (the fast lane's steady state).
+  Under ``vmap`` the call runs once per batch element (``vmap_method="sequential"``): the
+  collective of each element, in order.
 
-``pure_callback`` was measured against ``io_callback(ordered=True)`` (docs/jax.md): about 3x less
-overhead per call for small arrays on this machine, and it composes with ``vmap``; ordering
-across ranks comes from the trace-time names instead of an effect token. A callback whose result
-is unused is removed by XLA on every rank alike.
+Both host calls are pure (no effect token): ``pure_callback`` was measured against
+``io_callback(ordered=True)`` (docs/jax.md): about 3x less overhead per call for small arrays on
+this machine, and it composes with ``vmap``; ordering across ranks comes from the trace-time
+names instead of an effect token. A call whose result is unused is removed by XLA on every rank
+alike. The FFI host call costs less again (no operand copy, results copied straight into XLA's
+buffers; measured in :mod:`hora.jax.host_call`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import numpy as np
 
 from hora.core import spellings as _sp
 from hora.core.host_bridge import HostBridge
+from hora.jax import host_call
 
 # Horovod's tables for the torch binding (JAX has no Horovod binding); bfloat16 via ml_dtypes.
 REDUCE_DTYPES = frozenset(np.dtype(d) for d in (
@@ -95,14 +99,33 @@ def eager_only(what: str, leaves: Sequence[Any]) -> None:
                         "form there.")
 
 
-def _callback(fn: HostFn, specs: Sequence[jax.ShapeDtypeStruct],
-              xs: Sequence[Any]) -> list[Any]:
+def _callback(fn: HostFn, specs: Sequence[jax.ShapeDtypeStruct], xs: Sequence[Any],
+              pieces: Sequence[tuple[int, int]] | None = None) -> list[Any]:
+    """``fn`` as one host call of the traced program: :mod:`hora.jax.host_call` (an FFI custom
+    call, CPU) or ``jax.pure_callback``; ``pieces`` as in :func:`hora.jax.host_call.call`."""
+    if host_call.available():
+        return host_call.call(fn, specs, xs, pieces)
+
     def host(*arrays: np.ndarray) -> list[np.ndarray]:
         outs = fn([np.asarray(a) for a in arrays])
+        if pieces is not None:
+            outs = _cut(outs, pieces, specs)
         return [np.asarray(o, dtype=s.dtype).reshape(s.shape) if o.shape != s.shape or
                 o.dtype != s.dtype else o for o, s in zip(outs, specs)]
 
     return list(jax.pure_callback(host, list(specs), *xs, vmap_method="sequential"))
+
+
+def _cut(buffers: list[np.ndarray], pieces: Sequence[tuple[int, int]],
+         specs: Sequence[jax.ShapeDtypeStruct]) -> list[np.ndarray]:
+    """The results ``pieces`` describes, as views of ``buffers``."""
+    raw = [np.ascontiguousarray(b).reshape(-1).view(np.uint8) for b in buffers]
+    out = []
+    for (b, offset), s in zip(pieces, specs):
+        dtype = np.dtype(s.dtype)
+        n = int(np.prod(s.shape)) * dtype.itemsize
+        out.append(raw[b][offset:offset + n].view(dtype).reshape(s.shape))
+    return out
 
 
 def _checked(fn: HostFn, specs: Sequence[jax.ShapeDtypeStruct], what: str) -> HostFn:
@@ -123,26 +146,29 @@ def _checked(fn: HostFn, specs: Sequence[jax.ShapeDtypeStruct], what: str) -> Ho
 def apply(what: str, leaves: Sequence[Any], forward: HostFn,
           out_specs: Sequence[jax.ShapeDtypeStruct], backward: HostFn | None,
           grad_specs: Sequence[jax.ShapeDtypeStruct] | None = None,
-          cotangents: Callable[[list[Any]], list[Any]] | None = None) -> list[Any]:
-    """Run ``forward`` on ``leaves``: eagerly, or as a callback when traced, differentiable
+          cotangents: Callable[[list[Any]], list[Any]] | None = None,
+          pieces: Sequence[tuple[int, int]] | None = None) -> list[Any]:
+    """Run ``forward`` on ``leaves``: eagerly, or as a host call when traced, differentiable
     through ``backward`` (cotangents of the outputs -> cotangents of the inputs, shaped like
     ``grad_specs``, the inputs' shapes by default) when every leaf is floating point.
     ``cotangents`` (traced) maps the outputs' cotangents to ``backward``'s operands (e.g. packs
-    them into the inputs' buffers); by default they are its operands."""
+    them into the inputs' buffers); by default they are its operands. With ``pieces`` (traced
+    only) ``forward`` returns buffers and output ``k`` is cut out of them at
+    ``pieces[k] = (buffer, byte offset)``."""
     if not is_traced(leaves):
         return [to_jax(o) for o in forward([to_host(x) for x in leaves])]
-    fwd_fn = _checked(forward, out_specs, what)
+    fwd_fn = forward if pieces is not None else _checked(forward, out_specs, what)
     xs = [jnp.asarray(x) for x in leaves]
     in_specs = list(grad_specs) if grad_specs is not None else [
         jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
     floating = all(jnp.issubdtype(x.dtype, jnp.inexact) for x in xs)
     if backward is None or not floating:
-        return _callback(fwd_fn, out_specs, xs)
+        return _callback(fwd_fn, out_specs, xs, pieces)
     bwd_fn = _checked(backward, in_specs, f"{what} (gradient)")
 
     @jax.custom_vjp
     def op(*inputs: Any) -> list[Any]:
-        return _callback(fwd_fn, out_specs, inputs)
+        return _callback(fwd_fn, out_specs, inputs, pieces)
 
     def op_fwd(*inputs: Any) -> tuple[list[Any], None]:
         return op(*inputs), None

@@ -140,8 +140,8 @@ def _allreduce_packed(kind: str, flat: Flat, leaves: list[Any], full: str | None
             return [_grads.allreduce(HOST, g[0], *args, name=gname)]
         return _grads.grouped_allreduce(HOST, g, *args, name=gname)
 
-    return apply(kind, plan.buffers(leaves), lambda a: plan.views(guard(a)), plan.specs,
-                 backward, plan.buffer_specs, plan.buffers)
+    return apply(kind, plan.buffers(leaves), guard, plan.specs, backward, plan.buffer_specs,
+                 plan.buffers, plan.pieces)
 
 
 def _compressed(compression: type[Compressor], leaves: list[Any],

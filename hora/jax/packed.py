@@ -2,23 +2,22 @@
 the whole tree, and as little work per leaf as JAX allows.
 
 What a leaf costs is JAX's, not the collective's: making one ``jax.Array`` from host memory
-costs ~20 µs (``jnp.asarray``), a jitted function's output a few µs, a callback operand a
-``device_put``. So every tree shape gets a cached :class:`Plan` (keyed by the leaves' shapes
-and dtypes: the dtype checks, the layout and the functions below are made once):
+costs ~20 µs (``jnp.asarray``), a jitted function's output a few µs, a ``pure_callback``
+result ~3 µs of Python. So every tree shape gets a cached :class:`Plan` (keyed by the leaves'
+shapes and dtypes: the dtype checks, the layout and the functions below are made once):
 
 * eagerly, the small leaves are concatenated by one jitted function (one dispatch), the core
-  reduces the host buffers, and one jitted function whose only operation is a host callback
-  returns the new leaves, views of the reduced buffers that XLA copies (one dispatch, ~3 µs a
-  leaf, nothing per leaf to compile; ``jnp.asarray`` per leaf costs ~20 µs, a jitted split
-  ~1 s of compiling for 100 leaves); large leaves go to the core as views and come back as
-  one array each, as a single array would;
-* traced (inside ``jit``), XLA concatenates the leaves and one callback (one operand per
-  buffer) reduces them and returns every leaf as its own result, views of the reduced
-  buffers that the callback copies out (:func:`hora.jax.bridge.apply`). Cutting in XLA
-  instead costs one kernel per leaf (compiled: ~1 s more to compile a 100-leaf tree, and a
-  slice does not fuse into every consumer), and its gradient pads every piece to the whole
-  buffer; here the backward pass concatenates the cotangents and reduces them in one
-  callback.
+  reduces the host buffers, and one jitted function whose only operation is a host call
+  (:mod:`hora.jax.host_call`) copies each leaf's bytes out of the reduced buffers into its new
+  array (one dispatch, ~1 µs a leaf, nothing per leaf to compile: a jitted split compiles for
+  ~1 s at 100 leaves); large leaves go to the core as views and come back as one array each,
+  as a single array would;
+* traced (inside ``jit``), XLA concatenates the leaves and one host call (one operand per
+  buffer) reduces the buffers and copies every leaf out as its own result (``pieces``).
+  Cutting in XLA instead costs a kernel per leaf (compiled: ~1 s more to compile a 100-leaf
+  tree; a slice does not fuse into every consumer), and its gradient pads every piece to the
+  whole buffer; here the backward pass concatenates the cotangents and reduces them in one
+  host call.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hora.core import packing as _packing
+from hora.jax import host_call
 from hora.jax.bridge import check_leaf, to_host, to_jax
 
 _PLANS: dict[tuple[Any, ...], Plan] = {}
@@ -53,6 +53,13 @@ class Plan:
         self._packed_leaves = [i for k in self.packed for i in self.layout.groups[k]]
         self.buffer_specs = [jax.ShapeDtypeStruct((n,), self.layout.dtypes[idx[0]])
                              for n, idx in zip(self.layout.sizes, self.layout.groups)]
+        where = {i: (k, self.layout.offsets[k][j] * self.layout.dtypes[i].itemsize)
+                 for k, idx in enumerate(self.layout.groups) for j, i in enumerate(idx)}
+        self.pieces = [where[i] for i in range(len(specs))]
+        """Where each leaf lies in the buffers: (buffer, byte offset)."""
+        packed_index = {k: n for n, k in enumerate(self.packed)}
+        self._packed_pieces = [(packed_index[where[i][0]], where[i][1])
+                               for i in self._packed_leaves]
         self._lock = threading.Lock()
         self._result: list[np.ndarray] = []
         self._pack = jax.jit(self.concatenate)
@@ -105,6 +112,9 @@ class Plan:
         """(Jitted, no operands.) The packed leaves, copied by XLA out of the buffers that
         :meth:`leaves` holds."""
         specs = [self.specs[i] for i in self._packed_leaves]
+        if host_call.available():
+            return host_call.call(lambda _: [self._result[k] for k in self.packed], specs, [],
+                                  self._packed_pieces)
         return list(jax.pure_callback(self._views, specs))
 
     def _views(self) -> list[np.ndarray]:

@@ -13,8 +13,8 @@ REJECTED = {family: ["bool", "int16", "uint32", "complex64"]
             for family in ("allreduce", "grouped_allreduce", "reducescatter")} | {
     family: ["uint32", "complex64"] for family in ("allgather", "broadcast", "alltoall")}
 JAX_ONLY = [
-    "tree-ops", "tree-async", "metrics-dict", "tree-packed", "jit-ops", "jit-steady-names",
-    "vmap",
+    "tree-ops", "tree-async", "metrics-dict", "tree-packed", "pure-callback-fallback",
+    "jit-ops", "jit-steady-names", "vmap",
     "grad-allreduce", "grad-allreduce-tree", "grad-allgather", "grad-broadcast",
     "grad-reducescatter", "grad-alltoall", "grad-eager-equals-jit", "optimizer-identical",
     "optimizer-passes-fp16", "broadcast-state", "mismatch-tree-structure",

@@ -127,6 +127,19 @@ def tree_packed(hvd: Any) -> None:
     avg = hvd.allreduce({"a": jnp.asarray(_x(r, (3,))), "b": jnp.asarray(_x(r, (2, 2), 1))})
     _eq(avg, jax.tree_util.tree_map(lambda *xs: sum(xs) / n, *[
         {"a": _x(q, (3,)), "b": _x(q, (2, 2), 1)} for q in range(n)]), "packed tree (Average)")
+    odd = {"empty": jnp.zeros((0, 3)), "bf16": jnp.asarray(_x(r, (5,)), jnp.bfloat16),
+           "f16": [jnp.asarray(_x(r, (2,), i), jnp.float16) for i in range(2)]}
+    for how, fn in (("eager", lambda t: hvd.allreduce(t, op=hvd.Sum)),
+                    ("jit", jax.jit(lambda t: hvd.allreduce(t, op=hvd.Sum)))):
+        got_odd = fn(odd)
+        assert got_odd["empty"].shape == (0, 3) and got_odd["bf16"].dtype == jnp.bfloat16
+        _eq(got_odd, jax.tree_util.tree_map(lambda *xs: sum(np.asarray(x, np.float32)
+                                                            for x in xs), *[
+            {"empty": np.zeros((0, 3)), "bf16": _x(q, (5,)),
+             "f16": [_x(q, (2,), i) for i in range(2)]} for q in range(n)]),
+            f"empty, bfloat16 and float16 leaves ({how})", tol=1e-2)
+    _eq(jax.jit(lambda v: hvd.allreduce(v, op=hvd.Sum))(jnp.zeros(0)), np.zeros(0),
+        "an empty array inside jit")
     floats = {"small": _packable(r, 0)["small"], "big": _packable(r, 0)["big"]}
     leaves, treedef = jax.tree_util.tree_flatten(floats)
     g = jax.jit(jax.grad(lambda t: sum((a * (i + 1)).sum() for i, a in enumerate(
@@ -134,6 +147,31 @@ def tree_packed(hvd: Any) -> None:
     _eq(g, jax.tree_util.tree_unflatten(treedef, [np.full(np.shape(a), n * (i + 1.0))
                                                   for i, a in enumerate(leaves)]),
         "d packed tree (Horovod's rule: the Sum-allreduce of the cotangents)")
+
+
+def pure_callback_fallback(hvd: Any) -> None:
+    """Where the FFI host call is not available (another backend, another jaxlib), the same
+    ops run through jax.pure_callback: packed trees eager and jitted, a gradient, a gather."""
+    from hora.jax import host_call
+    r, n = hvd.rank(), hvd.size()
+    saved = host_call.available
+    host_call.available = lambda: False
+    try:
+        tree = {"a": [jnp.asarray(_x(r, (3, 2), i)) for i in range(3)],
+                "big": jnp.asarray(_x(r, (260, 128))), "i": jnp.asarray(_x(r, (7,)), jnp.int32)}
+        want = jax.tree_util.tree_map(lambda *xs: sum(np.asarray(x) for x in xs), *[
+            {"a": [_x(q, (3, 2), i) for i in range(3)], "big": _x(q, (260, 128)),
+             "i": _x(q, (7,)).astype(np.int32)} for q in range(n)])
+        _eq(hvd.allreduce(tree, op=hvd.Sum), want, "fallback: packed tree (eager)")
+        _eq(jax.jit(lambda t: hvd.allreduce(t, op=hvd.Sum))(tree), want,
+            "fallback: packed tree (jit)")
+        g = jax.jit(jax.grad(lambda t: sum((a * 2).sum() for a in hvd.allreduce(
+            t, op=hvd.Sum))))([jnp.asarray(_x(r, (4,))), jnp.asarray(_x(r, (2, 2)))])
+        _eq(g, [np.full((4,), 2.0 * n), np.full((2, 2), 2.0 * n)], "fallback: gradient")
+        _eq(jax.jit(lambda v: hvd.allgather(v))(jnp.asarray(_x(r, (2,)))),
+            np.concatenate([_x(q, (2,)) for q in range(n)]), "fallback: allgather (jit)")
+    finally:
+        host_call.available = saved
 
 
 def jit_ops(hvd: Any) -> None:
@@ -365,7 +403,8 @@ def traced_errors(hvd: Any) -> None:
 
 CASES = {
     "tree-ops": tree_ops, "tree-async": tree_async, "metrics-dict": metrics_dict,
-    "tree-packed": tree_packed, "jit-ops": jit_ops, "jit-steady-names": jit_steady_names,
+    "tree-packed": tree_packed, "pure-callback-fallback": pure_callback_fallback,
+    "jit-ops": jit_ops, "jit-steady-names": jit_steady_names,
     "vmap": vmap_case,
     "grad-allreduce": grad_allreduce, "grad-allreduce-tree": grad_allreduce_tree,
     "grad-allgather": grad_allgather, "grad-broadcast": grad_broadcast,
