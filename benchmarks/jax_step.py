@@ -3,6 +3,7 @@ gradient sync, in one job; then a 100-leaf pytree allreduce vs one array of the 
 
     python benchmarks/jax_step.py                              # 2 ranks, MLP 784-1024-1024-10
     python benchmarks/jax_step.py --rounds 3 --steps 3 --hidden 128   # smoke test
+    python benchmarks/jax_step.py --step-rounds 0 --rounds 5   # the pytree part only
     hora run -np 2 python benchmarks/jax_step.py --worker      # what the first line launches
 
 The same 2 processes (started by ``hora run -np 2``) also join a ``jax.distributed`` job (its
@@ -18,9 +19,14 @@ function:
 
 Variants are interleaved in rounds (order rotated per round) and medians over rounds are
 reported; samples/s counts both ranks (the slower rank's time). The pytree part allreduces a
-dict of 100 float32 leaves and one array of the same total bytes, interleaved, eagerly and
-inside ``jax.jit`` (how a training step calls it), and reports median microseconds per op and
-their ratio.
+dict of 100 float32 leaves and one array of the same total bytes, interleaved: eagerly; as a
+jitted function taking and returning the tree; "in-step" (the tree made from one input and
+summed inside one jitted function, as a training step's gradients are); each jitted form
+also without the allreduce ("JAX alone": what JAX and XLA themselves charge per leaf for the
+function's arguments, results and kernels). It reports median microseconds per op and the
+tree/array ratio (of the medians, and the median and range of the per-round ratios); for the
+jitted forms also the difference with and without the allreduce, round by round (the
+allreduce's own time).
 """
 
 from __future__ import annotations
@@ -44,10 +50,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
     p.add_argument("--steps", type=int, default=10, help="steps per variant per round")
     p.add_argument("--rounds", type=int, default=9, help="interleaved rounds")
+    p.add_argument("--step-rounds", type=int, default=None,
+                   help="rounds of the training step (default --rounds; 0 skips it)")
     p.add_argument("--leaves", type=int, default=100, help="leaves of the pytree allreduce")
     p.add_argument("--leaf-kib", type=int, default=16, help="KiB per leaf")
     p.add_argument("--worker", action="store_true", help="run as a rank (inside hora run)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.step_rounds is None:
+        args.step_rounds = args.rounds
+    return args
 
 
 def worker(args: argparse.Namespace) -> None:  # noqa: C901 - one benchmark, read top to bottom
@@ -131,66 +142,118 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901 - one benchmark, rea
         mine = time.perf_counter() - start
         return float(hvd.allreduce(jnp.float32(mine), op=hvd.Max, name="bench.time"))
 
-    for v in VARIANTS:  # compile and warm up
-        run(v, 2)
     rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for r in range(args.rounds):
+    for v in VARIANTS if args.step_rounds else ():  # compile and warm up
+        run(v, 2)
+    for r in range(args.step_rounds):
         for v in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
             rates[v].append(size * args.batch * args.steps / run(v, args.steps))
 
-    # pytree of many leaves vs one array of the same bytes (eager hvd.allreduce)
-    n = args.leaf_kib * 256
-    tree = {f"leaf{i:03d}": jnp.full(n, float(rank), jnp.float32) for i in range(args.leaves)}
-    flat = jnp.full(n * args.leaves, float(rank), jnp.float32)
-    jitted = {"jit tree": jax.jit(lambda t: hvd.allreduce(t, name="bench.jtree")),
-              "jit array": jax.jit(lambda a: hvd.allreduce(a, name="bench.jarray"))}
-    calls = {"tree": lambda x: hvd.allreduce(x, name="bench.tree"),
-             "array": lambda x: hvd.allreduce(x, name="bench.array"), **jitted}
-    times: dict[str, list[float]] = {k: [] for k in calls}
-    for r in range(args.rounds * 4 + 2):
-        order = list(calls) if r % 2 == 0 else list(reversed(calls))
-        for what in order:
-            x = tree if "tree" in what else flat
-            hvd.barrier()
-            start = time.perf_counter()
-            for _ in range(10):
-                jax.block_until_ready(calls[what](x))
-            t = (time.perf_counter() - start) / 10
-            if r >= 2:
-                times[what].append(float(hvd.allreduce(jnp.float32(t), op=hvd.Max,
-                                                       name="bench.time")))
+    # pytree of many leaves vs one array of the same bytes, interleaved
+    times = tree_vs_array(args, hvd, rank)
 
     # replicas must agree (hora and psum keep ranks identical)
     same = {v: hvd.allgather_object(float(sum(jnp.sum(a) for a in jax.tree_util.tree_leaves(
         state[v][0] if v != "psum" else [s.addressable_shards[0].data
                                          for s in jax.tree_util.tree_leaves(state[v][0])]))))
-            for v in ("hora", "psum")}
-    if rank == 0:
+            for v in ("hora", "psum") if args.step_rounds}
+    if rank == 0 and args.step_rounds:
         med = {v: statistics.median(rates[v]) for v in VARIANTS}
         n_params = sum(a.size for a in jax.tree_util.tree_leaves(params0))
         print(f"\njax train step, {size} ranks, MLP {'-'.join(map(str, dims))} "
               f"({n_params / 1e6:.2f} M params), batch {args.batch}/rank, SGD; "
-              f"{args.rounds} rounds x {args.steps} steps; jax {jax.__version__}")
+              f"{args.step_rounds} rounds x {args.steps} steps; jax {jax.__version__}")
         print(f"\n{'variant':>7} | {'samples/s':>10} {'min':>8} {'max':>8} | {'ms/step':>8}")
         for v in VARIANTS:
             print(f"{v:>7} | {med[v]:10.1f} {min(rates[v]):8.1f} {max(rates[v]):8.1f} | "
                   f"{1000 * size * args.batch / med[v]:8.2f}")
-        per_round = [h / p for h, p in zip(rates["hora"], rates["psum"])]
+        per_round = sorted(h / p for h, p in zip(rates["hora"], rates["psum"]))
         print(f"\nhora/psum samples/s: {med['hora'] / med['psum']:.2f}x (ratio of medians), "
-              f"{statistics.median(per_round):.2f}x (median of per-round ratios)")
+              f"{statistics.median(per_round):.2f}x (median of per-round ratios, "
+              f"{per_round[0]:.2f}-{per_round[-1]:.2f}x)")
         print(f"hora overhead vs nosync: {100 * (med['nosync'] / med['hora'] - 1):.1f}%; "
               f"psum: {100 * (med['nosync'] / med['psum'] - 1):.1f}%")
-        print(f"\nallreduce of a {args.leaves}-leaf pytree ({args.leaves} x {args.leaf_kib} KiB) "
-              f"vs one array of the same {args.leaves * args.leaf_kib} KiB:")
-        for prefix in ("", "jit "):
-            tt = statistics.median(times[prefix + "tree"])
-            ta = statistics.median(times[prefix + "array"])
-            print(f"   {prefix or 'eager '}tree {1e6 * tt:9.1f} us/op | array {1e6 * ta:9.1f} "
-                  f"us/op | tree/array {tt / ta:.2f}x")
-        print("replicas identical across ranks: " + ", ".join(
-            f"{v} {len(set(vals)) == 1}" for v, vals in same.items()))
+    if rank == 0:
+        report_tree(args, times)
+        if same:
+            print("replicas identical across ranks: " + ", ".join(
+                f"{v} {len(set(vals)) == 1}" for v, vals in same.items()))
     jax.distributed.shutdown()
     hvd.shutdown()
+
+
+def tree_vs_array(args: argparse.Namespace, hvd: Any, rank: int) -> dict[str, list[float]]:
+    """Seconds per call (the slower rank's) of each form, ``args.rounds * 4`` interleaved
+    rounds of 10 calls (order reversed every other round, 2 warm-up rounds)."""
+    import jax
+    import jax.numpy as jnp
+
+    n, leaves = args.leaf_kib * 256, args.leaves
+    tree = {f"leaf{i:03d}": jnp.full(n, float(rank), jnp.float32) for i in range(leaves)}
+    flat = jnp.full(n * leaves, float(rank), jnp.float32)
+    rows = flat.reshape(leaves, n)
+
+    def step_tree(x: Any, reduce: bool = True) -> Any:  # made and consumed in one function
+        tree = {f"leaf{i:03d}": x[i] * (i + 1) for i in range(leaves)}
+        out = hvd.allreduce(tree, name="bench.stree") if reduce else tree
+        return sum(v.sum() for v in jax.tree_util.tree_leaves(out))
+
+    calls: dict[str, tuple[Any, Any]] = {
+        "eager tree": (lambda t: hvd.allreduce(t, name="bench.tree"), tree),
+        "eager array": (lambda a: hvd.allreduce(a, name="bench.array"), flat),
+        "jit tree": (jax.jit(lambda t: hvd.allreduce(t, name="bench.jtree")), tree),
+        "jit array": (jax.jit(lambda a: hvd.allreduce(a, name="bench.jarray")), flat),
+        "step tree": (jax.jit(step_tree), rows),
+        "step array": (jax.jit(lambda x: hvd.allreduce(x * 2, name="bench.sarray").sum()),
+                       rows),
+        # the same functions without the allreduce: what JAX alone charges
+        "jit0 tree": (jax.jit(lambda t: jax.tree_util.tree_map(lambda v: v * 2, t)), tree),
+        "jit0 array": (jax.jit(lambda a: a * 2), flat),
+        "step0 tree": (jax.jit(lambda x: step_tree(x, reduce=False)), rows),
+        "step0 array": (jax.jit(lambda x: (x * 2).sum()), rows),
+    }
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for r in range(args.rounds * 4 + 2):
+        order = list(calls) if r % 2 == 0 else list(reversed(calls))
+        for what in order:
+            fn, x = calls[what]
+            hvd.barrier()
+            start = time.perf_counter()
+            for _ in range(10):
+                jax.block_until_ready(fn(x))
+            t = (time.perf_counter() - start) / 10
+            if r >= 2:
+                times[what].append(float(hvd.allreduce(jnp.float32(t), op=hvd.Max,
+                                                       name="bench.time")))
+    return times
+
+
+def _ratio(label: str, tt: list[float], ta: list[float]) -> None:
+    per = sorted(a / b for a, b in zip(tt, ta))
+    print(f"   {label:>17}: tree {1e6 * statistics.median(tt):8.1f} us | array "
+          f"{1e6 * statistics.median(ta):8.1f} us | tree/array "
+          f"{statistics.median(tt) / statistics.median(ta):.2f}x (per round: median "
+          f"{statistics.median(per):.2f}x, {per[0]:.2f}-{per[-1]:.2f}x)")
+
+
+def report_tree(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
+    """Median µs per op of each form, and the tree/array ratio: of the medians, and the
+    median and range of the per-round ratios; for the jitted forms also the allreduce's own
+    time (the function's time minus the same function without the allreduce, per round)."""
+    print(f"\nallreduce of a {args.leaves}-leaf pytree ({args.leaves} x {args.leaf_kib} KiB) "
+          f"vs one array of the same {args.leaves * args.leaf_kib} KiB "
+          f"({len(times['eager tree'])} rounds; the slower rank's time):")
+    _ratio("eager", times["eager tree"], times["eager array"])
+    for form, base in (("jit", "jit0"), ("step", "step0")):
+        label = "jit" if form == "jit" else "in-step"
+        _ratio(label, times[f"{form} tree"], times[f"{form} array"])
+        _ratio(f"{label}, JAX alone", times[f"{base} tree"], times[f"{base} array"])
+        _ratio(f"{label}, allreduce", *[
+            [t - t0 for t, t0 in zip(times[f"{form} {w}"], times[f"{base} {w}"])]
+            for w in ("tree", "array")])
+    print("   (jit: a jitted function taking and returning the tree; in-step: the tree made "
+          "from one array and summed inside one jitted function; JAX alone: the same function "
+          "without the allreduce; allreduce: the difference, round by round)")
 
 
 def main(argv: list[str] | None = None) -> None:
