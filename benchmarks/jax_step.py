@@ -4,6 +4,7 @@ gradient sync, in one job; then a 100-leaf pytree allreduce vs one array of the 
     python benchmarks/jax_step.py                              # 2 ranks, MLP 784-1024-1024-10
     python benchmarks/jax_step.py --rounds 3 --steps 3 --hidden 128   # smoke test
     python benchmarks/jax_step.py --step-rounds 0 --rounds 5   # the pytree part only
+    python benchmarks/jax_step.py --rounds 0 --step-rounds 5   # the training step only
     hora run -np 2 python benchmarks/jax_step.py --worker      # what the first line launches
 
 The same 2 processes (started by ``hora run -np 2``) also join a ``jax.distributed`` job (its
@@ -49,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=1024, help="hidden units (two layers)")
     p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
     p.add_argument("--steps", type=int, default=10, help="steps per variant per round")
-    p.add_argument("--rounds", type=int, default=9, help="interleaved rounds")
+    p.add_argument("--rounds", type=int, default=9,
+                   help="interleaved rounds (x4 for the pytree part; 0 skips it)")
     p.add_argument("--step-rounds", type=int, default=None,
                    help="rounds of the training step (default --rounds; 0 skips it)")
     p.add_argument("--leaves", type=int, default=100, help="leaves of the pytree allreduce")
@@ -150,7 +152,7 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901 - one benchmark, rea
             rates[v].append(size * args.batch * args.steps / run(v, args.steps))
 
     # pytree of many leaves vs one array of the same bytes, interleaved
-    times = tree_vs_array(args, hvd, rank)
+    times = tree_vs_array(args, hvd, rank) if args.rounds else {}
 
     # replicas must agree (hora and psum keep ranks identical)
     same = {v: hvd.allgather_object(float(sum(jnp.sum(a) for a in jax.tree_util.tree_leaves(
@@ -174,7 +176,8 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901 - one benchmark, rea
         print(f"hora overhead vs nosync: {100 * (med['nosync'] / med['hora'] - 1):.1f}%; "
               f"psum: {100 * (med['nosync'] / med['psum'] - 1):.1f}%")
     if rank == 0:
-        report_tree(args, times)
+        if times:
+            report_tree(args, times)
         if same:
             print("replicas identical across ranks: " + ", ".join(
                 f"{v} {len(set(vals)) == 1}" for v, vals in same.items()))
