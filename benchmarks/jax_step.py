@@ -22,12 +22,12 @@ Variants are interleaved in rounds (order rotated per round) and medians over ro
 reported; samples/s counts both ranks (the slower rank's time). The pytree part allreduces a
 dict of 100 float32 leaves and one array of the same total bytes, interleaved: eagerly; as a
 jitted function taking and returning the tree; "in-step" (the tree made from one input and
-summed inside one jitted function, as a training step's gradients are); each jitted form
-also without the allreduce ("JAX alone": what JAX and XLA themselves charge per leaf for the
-function's arguments, results and kernels). It reports median microseconds per op and the
-tree/array ratio (of the medians, and the median and range of the per-round ratios); for the
-jitted forms also the difference with and without the allreduce, round by round (the
-allreduce's own time).
+summed inside one jitted function, as a training step's gradients are); and, for scale, what
+JAX and XLA alone charge for each jitted form ("JAX alone": a jitted ``x * 2`` of the tree and
+of the array; the in-step function without its allreduce). It reports median microseconds per
+op and the tree/array ratio (of the medians, and the median and range of the per-round
+ratios); for the in-step form also the allreduce's own time (with minus without, round by
+round).
 """
 
 from __future__ import annotations
@@ -247,16 +247,17 @@ def report_tree(args: argparse.Namespace, times: dict[str, list[float]]) -> None
           f"vs one array of the same {args.leaves * args.leaf_kib} KiB "
           f"({len(times['eager tree'])} rounds; the slower rank's time):")
     _ratio("eager", times["eager tree"], times["eager array"])
-    for form, base in (("jit", "jit0"), ("step", "step0")):
-        label = "jit" if form == "jit" else "in-step"
-        _ratio(label, times[f"{form} tree"], times[f"{form} array"])
-        _ratio(f"{label}, JAX alone", times[f"{base} tree"], times[f"{base} array"])
-        _ratio(f"{label}, allreduce", *[
-            [t - t0 for t, t0 in zip(times[f"{form} {w}"], times[f"{base} {w}"])]
-            for w in ("tree", "array")])
-    print("   (jit: a jitted function taking and returning the tree; in-step: the tree made "
-          "from one array and summed inside one jitted function; JAX alone: the same function "
-          "without the allreduce; allreduce: the difference, round by round)")
+    _ratio("jit", times["jit tree"], times["jit array"])
+    _ratio("jit, JAX alone", times["jit0 tree"], times["jit0 array"])
+    _ratio("in-step", times["step tree"], times["step array"])
+    _ratio("in-step, JAX alone", times["step0 tree"], times["step0 array"])
+    _ratio("in-step, allreduce", *[
+        [t - t0 for t, t0 in zip(times[f"step {w}"], times[f"step0 {w}"])]
+        for w in ("tree", "array")])
+    print("   (jit: a jitted function taking and returning the tree; JAX alone there: a jitted "
+          "x * 2 of it; in-step: the tree made from one array and summed inside one jitted "
+          "function; JAX alone there: the same function without the allreduce; allreduce: "
+          "the difference, round by round)")
 
 
 def main(argv: list[str] | None = None) -> None:
