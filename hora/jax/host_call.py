@@ -34,6 +34,9 @@ HostFn = Callable[[list[np.ndarray]], list[np.ndarray]]
 
 TARGET = "hora_host_call"
 _API_VERSION = (0, 3)  # the XLA FFI C API this handler implements (jaxlib 0.10's header)
+TESTED_JAX = "0.10."
+"""The jax releases whose call frame layout the handler was checked against; with any other
+release (the C structs could differ) jitted host calls use ``jax.pure_callback``."""
 _EXECUTE = 3  # XLA_FFI_ExecutionStage_EXECUTE
 _METADATA = 1  # XLA_FFI_Extension_Metadata
 _INTERNAL = 13  # XLA_FFI_Error_Code_INTERNAL
@@ -234,6 +237,10 @@ def available() -> bool:
     if jax.default_backend() != "cpu":
         return False
     with _LOCK:
+        if _registered is None and not jax.__version__.startswith(TESTED_JAX):
+            log.info("hora.jax: the %s FFI handler is tested with jax %s.*, not %s; host calls "
+                     "use jax.pure_callback", TARGET, TESTED_JAX.rstrip("."), jax.__version__)
+            _registered = False
         if _registered is None:
             try:
                 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(_HANDLER),
