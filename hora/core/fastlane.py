@@ -234,10 +234,8 @@ class FastLane:
         """``n`` more entries may not fit the log (this rank is far ahead of the slowest member:
         a burst of ops, a large grouped call): drive the lane until they do, as :meth:`flush`
         waits, for up to :data:`ROOM_WAIT_S` (the caller then closes the log)."""
-        def room() -> bool:
-            return self._closed or self._boards.backlog(self._count) + n <= LOG_CAPACITY
-
-        self._wait_lane(room, ROOM_WAIT_S)
+        self._wait_lane(lambda: self._closed or self._boards.backlog(self._count) + n
+                        <= LOG_CAPACITY, ROOM_WAIT_S)
 
     def close_log(self) -> None:
         """Append no more (ops are negotiated from now); the leader turns the lane off here."""
@@ -407,8 +405,13 @@ class FastLane:
         self.abort(error)
         self._failed(error)
 
-    def abort(self, error: BaseException) -> None:
-        """Fail every op still in the lane with ``error``; log nothing more."""
+    def abort(self, error: BaseException, settle: float = 0.0) -> None:
+        """Fail every op still in the lane with ``error``; log nothing more. ``settle``: a peer
+        shut down: a batch running now may end first, within that long (the peer completed it)."""
+        if settle:
+            self._stop = True  # a driver leaves after its batch (within a doorbell slice)
+            if self._drive_lock.acquire(timeout=settle):
+                self._drive_lock.release()
         with self._append_lock:
             if self._error is None:
                 self._error = error

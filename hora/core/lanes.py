@@ -21,9 +21,14 @@ from hora.core.fastlane import FastLane
 from hora.core.messages import OpKind, Response
 from hora.core.process_set import Registry
 from hora.core.routing import Route
+from hora.errors import ShutdownError
 from hora.transports.base import Transport
 
 log = get_logger(__name__)
+
+SETTLE_S = 3.0
+"""On a peer's shutdown notice, how long a lane batch already running may take to finish
+before it is failed (a batch the departed rank never joined then fails within this)."""
 
 
 class Lanes:
@@ -155,9 +160,12 @@ class Lanes:
             lane.stop()
 
     def stop_all(self, error: BaseException | None) -> None:
-        """Shutdown or failure: every lane stops (its pending ops fail with ``error``)."""
+        """Shutdown or failure: every lane stops (its pending ops fail with ``error``). On a
+        peer's shutdown notice (a :class:`ShutdownError`) a batch already running finishes
+        first, for up to :data:`SETTLE_S`: the departed rank completed it."""
+        settle = SETTLE_S if isinstance(error, ShutdownError) else 0.0
         for lane in list(self._lanes.values()):
             if error is not None:
-                lane.abort(error)
+                lane.abort(error, settle)
             lane.stop()
         self._lanes.clear()
