@@ -3,21 +3,12 @@
 
 from __future__ import annotations
 
-import ast
-
 import pytest
-from tf_jobs import HERE, NP, CaseJob, needs_tf, run_cases
+from tf_jobs import NP, CaseJob, case_ids, needs_tf, run_cases
 
 pytestmark = [pytest.mark.integration, needs_tf]
 
 
-def _case_ids() -> list[str]:
-    """``CASE_IDS`` of group_tf_adasum.py, read without importing it (it imports Keras)."""
-    tree = ast.parse((HERE / "group_tf_adasum.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "CASE_IDS":
-            return list(ast.literal_eval(node.value))
-    raise AssertionError("group_tf_adasum.py has no CASE_IDS")
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +16,7 @@ def job() -> CaseJob:
     return run_cases("group_tf_adasum")
 
 
-@pytest.mark.parametrize("case_id", _case_ids())
+@pytest.mark.parametrize("case_id", case_ids("group_tf_adasum"))
 def test_case(job: CaseJob, case_id: str) -> None:
     job.assert_ok(case_id)
 

@@ -4,21 +4,12 @@ tf.compat.v1 DistributedOptimizer, broadcast_global_variables and its session ho
 
 from __future__ import annotations
 
-import ast
-
 import pytest
-from tf_jobs import HERE, NP, CaseJob, needs_tf, run_cases
+from tf_jobs import NP, CaseJob, case_ids, needs_tf, run_cases
 
 pytestmark = [pytest.mark.integration, needs_tf]
 
 
-def _case_ids() -> list[str]:
-    """``CASE_IDS`` of group_tf_api.py, read without importing it (it imports TensorFlow)."""
-    tree = ast.parse((HERE / "group_tf_api.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "CASE_IDS":
-            return list(ast.literal_eval(node.value))
-    raise AssertionError("group_tf_api.py has no CASE_IDS")
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +17,7 @@ def job() -> CaseJob:
     return run_cases("group_tf_api")
 
 
-@pytest.mark.parametrize("case_id", _case_ids())
+@pytest.mark.parametrize("case_id", case_ids("group_tf_api"))
 def test_case(job: CaseJob, case_id: str) -> None:
     job.assert_ok(case_id)
 

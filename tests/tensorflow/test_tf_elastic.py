@@ -5,25 +5,17 @@ SIGKILLs itself mid-training. This process never imports TensorFlow or Keras."""
 
 from __future__ import annotations
 
-import ast
 import sys
 
 import pytest
 from runner.helpers import clean_env, run_hora
-from tf_jobs import HERE, JOB_ENV, CaseJob, needs_tf, run_cases
+from tf_jobs import HERE, JOB_ENV, CaseJob, case_ids, needs_tf, run_cases
 
 pytestmark = [pytest.mark.integration, needs_tf]
 
 WORKER = str(HERE / "tf_elastic_worker.py")
 
 
-def _case_ids() -> list[str]:
-    """``CASE_IDS`` of group_tf_elastic.py, read without importing it (it imports Keras)."""
-    tree = ast.parse((HERE / "group_tf_elastic.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "CASE_IDS":
-            return list(ast.literal_eval(node.value))
-    raise AssertionError("group_tf_elastic.py has no CASE_IDS")
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +23,7 @@ def job() -> CaseJob:
     return run_cases("group_tf_elastic", np_=1, timeout=110.0)  # < pytest-timeout
 
 
-@pytest.mark.parametrize("case_id", _case_ids())
+@pytest.mark.parametrize("case_id", case_ids("group_tf_elastic"))
 def test_case(job: CaseJob, case_id: str) -> None:
     job.assert_ok(case_id)
 

@@ -9,6 +9,7 @@ and no ``conftest.py`` (tests/torch has one; two top-level ``conftest`` modules 
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 from pathlib import Path
@@ -33,6 +34,16 @@ JOB_ENV = {
     "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent),
                                    os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
 }
+
+
+def case_ids(group: str) -> list[str]:
+    """``CASE_IDS`` of ``<group>.py`` in this directory, read without importing it (it imports
+    TensorFlow or Keras)."""
+    tree = ast.parse((HERE / f"{group}.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "CASE_IDS":
+            return list(ast.literal_eval(node.value))
+    raise AssertionError(f"{group}.py has no CASE_IDS")
 
 
 def run_cases(group: str, np_: int = NP, timeout: float = 240.0) -> CaseJob:
