@@ -25,8 +25,6 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import ray
-
 from hora.errors import DiscoveryError, ElasticError, HoraInternalError, RankFailedError
 from hora.ray import environment, gather
 from hora.ray.discovery import RayHostDiscovery
@@ -112,14 +110,7 @@ class ElasticRayExecutor:
             NotImplementedError: the driver is a Ray client (``ray://``) connection.
             DiscoveryError: the first discovery failed.
         """
-        if ray.util.client.ray.is_connected():
-            raise NotImplementedError(
-                "hora.ray: the driver must run on the Ray cluster (it serves the rendezvous "
-                "store the workers connect to); a ray:// client connection is not supported. "
-                "HINT: submit the driver script with `ray job submit -- python train.py`.")
-        if not ray.is_initialized():
-            log.info("hora.ray: Ray is not initialized; calling ray.init()")
-            ray.init()
+        environment.ensure_driver()
         try:
             hosts = self.settings.discovery.find_available_hosts_and_slots()
         except DiscoveryError:

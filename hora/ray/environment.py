@@ -1,7 +1,7 @@
 """The environment each worker actor gets: what ``hora run`` gives a rank, set by the driver in
 the actor's own ``os.environ`` before the user's function calls ``hora.init()``.
 
-Launcher side: base, rendezvous and runner modules only.
+Launcher side: base, rendezvous and runner modules only (and Ray, for :func:`ensure_driver`).
 """
 
 from __future__ import annotations
@@ -84,3 +84,23 @@ def describe(env: Mapping[str, str]) -> str:
 
 __all__ = ["LAUNCHER_NAME", "check_extra", "describe", "driver_knobs", "stale_variables",
            "worker_environment"]
+
+
+def ensure_driver() -> None:
+    """Make sure this process is a Ray driver on the cluster: ``ray.init()`` when Ray is not
+    initialized yet.
+
+    Raises:
+        NotImplementedError: a ``ray://`` client connection (the driver serves the rendezvous
+            store the workers connect to, so it must run on the cluster).
+    """
+    import ray
+
+    if ray.util.client.ray.is_connected():
+        raise NotImplementedError(
+            "hora.ray: the driver must run on the Ray cluster (it serves the rendezvous "
+            "store the workers connect to); a ray:// client connection is not supported. "
+            "HINT: submit the driver script with `ray job submit -- python train.py`.")
+    if not ray.is_initialized():
+        log.info("hora.ray: Ray is not initialized; calling ray.init()")
+        ray.init()

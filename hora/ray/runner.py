@@ -151,14 +151,7 @@ class RayExecutor:
             raise RuntimeError("hora.ray: this executor is already started; call shutdown() "
                                "before start() again")
         extra = environment.check_extra(extra_env_vars)
-        if ray.util.client.ray.is_connected():
-            raise NotImplementedError(
-                "hora.ray: the driver must run on the Ray cluster (it serves the rendezvous "
-                "store the workers connect to); a ray:// client connection is not supported. "
-                "HINT: submit the driver script with `ray job submit -- python train.py`.")
-        if not ray.is_initialized():
-            log.info("hora.ray: Ray is not initialized; calling ray.init()")
-            ray.init()
+        environment.ensure_driver()
         timeout = float(getattr(self.settings, "timeout_s", 30.0))
         workers = placement.start_workers(
             self.layout, start_timeout=timeout,
