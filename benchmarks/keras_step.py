@@ -22,9 +22,12 @@ copies of one MLP on a fixed synthetic batch of ``--batch`` samples per rank, SG
 * ``nosync_loop``: the custom loop without a strategy (the floor of ``mwms``).
 
 The machine's speed swings, so variants are interleaved in rounds (order rotated per round) and
-medians over rounds are reported. Samples/s counts both ranks (``size * batch * steps / time``
-on rank 0; ``fit`` synchronizes the ranks every step). Ratios are of the medians, and the median
-of the per-round ratios (robust to the machine's load drifting during the run).
+medians over rounds are reported. Samples/s counts both ranks: ``size * batch`` per step, the
+step time measured on rank 0 from the end of a phase's first step to the end of its last (the
+first step absorbs the ranks' drift from the previous phase: an unsynchronized variant lets one
+rank run ahead, and a synchronized one then starts by waiting for the other). Ratios are of the
+medians, and the median of the per-round ratios (robust to the machine's load drifting during
+the run).
 """
 
 from __future__ import annotations
@@ -87,10 +90,26 @@ def worker(args: argparse.Namespace) -> None:
     runs: dict[str, Any] = {}
     xt, yt = tf.constant(x), tf.constant(y)
 
+    class Stamps(keras.callbacks.Callback):
+        """When each step of a ``fit`` ended."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.times: list[float] = []
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            self.times.append(time.perf_counter())
+
     def fit_runner(model: Any) -> Any:
         ds = tf.data.Dataset.from_tensors((x, y)).repeat()
-        return lambda steps: model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0,
-                                           shuffle=False)
+        stamps = Stamps()
+
+        def run(steps: int) -> list[float]:
+            stamps.times = []
+            model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False,
+                      callbacks=[stamps])
+            return stamps.times
+        return run
 
     def loop_runner(model: Any, opt: Any, strategy: Any) -> Any:
         loss_fn = loss()
@@ -104,9 +123,12 @@ def worker(args: argparse.Namespace) -> None:
 
         step = tf.function(lambda: strategy.run(replica_step, args=(xt, yt)))
 
-        def run(steps: int) -> None:
+        def run(steps: int) -> list[float]:
+            times = []
             for _ in range(steps):
                 step()
+                times.append(time.perf_counter())
+            return times
         return run
 
     for variant in VARIANTS:
@@ -128,16 +150,15 @@ def worker(args: argparse.Namespace) -> None:
     lane_ops = [0, 0]  # hora's allreduces during the measured rounds: through the lane, in all
 
     def run(variant: str, steps: int, count: bool = False) -> float:
+        """Seconds per step from the end of the first step to the end of the last."""
         lane = context.get().engine.lane(0)
         before = lane.describe() if lane is not None else None
-        start = time.perf_counter()
-        runs[variant](steps)
-        elapsed = time.perf_counter() - start
+        times = runs[variant](steps)
         if count and variant == "hora" and lane is not None and before is not None:
             after = lane.describe()
             lane_ops[0] += after["fast_ops"] - before["fast_ops"]
             lane_ops[1] += after["logged"] - before["logged"]
-        return elapsed
+        return float(times[-1] - times[0]) / (len(times) - 1)
 
     for variant in VARIANTS:  # trace and warm up
         run(variant, args.warmup)
@@ -146,8 +167,7 @@ def worker(args: argparse.Namespace) -> None:
     for r in range(args.rounds):
         order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
         for variant in order:
-            rates[variant].append(size * args.batch * args.steps
-                                  / run(variant, args.steps, count=True))
+            rates[variant].append(size * args.batch / run(variant, args.steps, count=True))
     load.append(os.getloadavg()[0])
     weights = {v: float(sum(np.abs(w.numpy()).sum() for w in models[v].weights))
                for v in ("hora", "mwms")}
@@ -199,6 +219,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker", action="store_true",
                         help="run as one rank (under hora run) instead of launching")
     args = parser.parse_args(argv)
+    if args.steps < 2 or args.warmup < 2:
+        parser.error("--steps and --warmup must be at least 2 (a phase's first step is not "
+                     "timed)")
     if args.worker:
         worker(args)
         return
