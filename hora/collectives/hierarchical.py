@@ -118,6 +118,22 @@ def _local_allreduce(local: Local, buf: Array, op: ReduceOp, scratch: Array | No
         _cross_allreduce(local, buf, op, scratch)
 
 
+
+def host_shard(local: Local, buf: np.ndarray, op: ReduceOp,
+               scratch: np.ndarray | None = None) -> tuple[list[int], list[int], np.ndarray]:
+    """Reduce ``buf`` over this host's ranks into this rank's shard (an even split by local
+    rank): returns the split's counts, its offsets and the shard (a view of ``buf``)."""
+    counts = even_counts(buf.size, local.size)
+    bounds = offsets(counts)
+    shard = buf[bounds[local.rank]:bounds[local.rank + 1]]
+    if local.size > 1:
+        if isinstance(local, ShmGroup):
+            local.reducescatter(buf, counts, op, shard)
+        else:
+            reducescatter(local, buf, counts, op, shard, scratch)
+    return counts, bounds, shard
+
+
 def hierarchical_allreduce(local: Local, cross: Comm | None, buf: Array, op: ReduceOp, *,
                            scratch: Array | None = None) -> None:
     """Allreduce ``buf`` over ``local x cross`` ranks: local reduce-scatter, cross allreduce of
@@ -146,15 +162,7 @@ def hierarchical_allreduce(local: Local, cross: Comm | None, buf: Array, op: Red
     op = elementwise_op(op)
     if buf.size == 0:
         return
-    counts = even_counts(buf.size, local.size)
-    bounds = offsets(counts)
-    me = local.rank
-    shard = buf[bounds[me]:bounds[me + 1]]
-    if local.size > 1:
-        if isinstance(local, ShmGroup):
-            local.reducescatter(buf, counts, op, shard)
-        else:
-            reducescatter(local, buf, counts, op, shard, scratch)
+    counts, bounds, shard = host_shard(local, buf, op, scratch)
     _cross_allreduce(cross, shard, op, scratch)
     if local.size > 1:
         if isinstance(local, ShmGroup):

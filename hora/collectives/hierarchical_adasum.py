@@ -28,14 +28,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hora.collectives._buffers import Array, check_array, even_counts, offsets
+from hora.collectives._buffers import Array, check_array
 from hora.collectives.adasum import FLOAT_DTYPES, adasum_allreduce, check_size
 from hora.collectives.allgather import allgather
 from hora.collectives.allreduce import allreduce
 from hora.collectives.broadcast import broadcast
 from hora.collectives.comm import Comm
+from hora.collectives.hierarchical import host_shard
 from hora.collectives.ops import ReduceOp, dtype_name, scale_inplace
-from hora.collectives.reducescatter import reducescatter
 from hora.collectives.select import select_allreduce
 from hora.collectives.shm import ShmGroup
 
@@ -93,15 +93,9 @@ def shard_adasum(local: Local, cross: Comm | None, buf: Array, *, hosts: int,
     _check(buf, hosts)
     if buf.size == 0:
         return
-    shards = even_counts(buf.size, local.size)
-    bounds = offsets(shards)
+    shards, bounds, shard = host_shard(local, buf, ReduceOp.Sum)
     me = local.rank
-    shard = buf[bounds[me]:bounds[me + 1]]
     if local.size > 1:
-        if isinstance(local, ShmGroup):
-            local.reducescatter(buf, shards, ReduceOp.Sum, shard)
-        else:
-            reducescatter(local, buf, shards, ReduceOp.Sum, shard)
         scale_inplace(shard, 1.0 / local.size)
     if cross is not None and cross.size > 1:
         adasum_allreduce(cross, shard,
