@@ -17,7 +17,8 @@ rank fails with the cause, and rank 0 tells every other rank to do the same.
 
 Beside it: :mod:`hora.core.liveness` (heartbeats, goodbyes, abort reasons),
 :mod:`hora.core.lanes` (the fast lanes' lifecycle), :mod:`hora.core.deadlock` (wait reports and
-the detector), :mod:`hora.core.executor` (running an agreed response).
+the detector), :mod:`hora.core.dispatch` (sending and running response batches),
+:mod:`hora.core.executor` (running an agreed response).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from hora.core import affinity, trace
 from hora.core.autotune import Tuning
 from hora.core.coordinator import Coordinator
 from hora.core.deadlock import WaitReports
+from hora.core.dispatch import Responses
 from hora.core.entry import Entry
 from hora.core.executor import Executor
 from hora.core.fastlane import FastLane
@@ -39,8 +41,6 @@ from hora.core.handle import Handle
 from hora.core.lanes import Lanes
 from hora.core.liveness import Liveness, RemoteAbort
 from hora.core.messages import (
-    ERROR_SHUTDOWN,
-    ERROR_STALL,
     MSG_ABORT,
     MSG_BYE,
     MSG_HEARTBEAT,
@@ -98,11 +98,13 @@ class Engine:
         self._coordinator = Coordinator(registry, config) if self.rank == 0 else None
         self._stop = threading.Event()
         self._error: HoraInternalError | None = None
-        self._executing = False  # True while a collective runs (left True if it failed)
         self._drained = False  # the thread has failed every op and reads no more submissions
         # Control peers must be heard from within heartbeat_timeout_seconds.
         self._liveness = Liveness(transport, config.heartbeat_timeout_seconds)
         self._departed = self._liveness.departed
+        self._responses = Responses(transport, registry, self._executor, self._lanes, self.names,
+                                    self._liveness, self.timeline, self._pending, self._departed)
+        self._dispatch = self._responses.dispatch
         self.tuning = Tuning(config, transport, self._departed, hostnames,  # autotune
                              (self._coordinator, self._lanes, self._executor))
         self._thread = threading.Thread(target=self._run, name="hora-engine", daemon=True)
@@ -255,7 +257,7 @@ class Engine:
         try:
             while not self._stop.is_set():
                 if self._lane_error is not None:
-                    self._executing = True  # a collective failed: gather the others' reasons
+                    self._responses.executing = True  # a lane op failed: gather the reasons
                     raise self._lane_error
                 self.timeline.mark_cycle()
                 self._liveness.beat()
@@ -349,7 +351,7 @@ class Engine:
                 self._coordinator.add(body["reqs"])
             elif kind == MSG_RESPONSES and self._coordinator is None:
                 trace.negotiation_done(self.timeline, body["resps"])
-                self._execute(body["resps"])
+                self._responses.execute(body["resps"])
             elif kind == MSG_WAITS and self._coordinator is not None:
                 for blocked, set_id, name, lane in parse_waits(body):
                     self._coordinator.deadlocks.waiting(sender, blocked, set_id, name, lane)
@@ -373,51 +375,6 @@ class Engine:
             if self._stop.is_set():
                 return True
 
-    def _dispatch(self, responses: list[Response]) -> bool:
-        """Rank 0: send responses to the members that must run them, then run them here."""
-        if not responses:
-            return False
-        trace.negotiation_done(self.timeline, responses)
-        by_peer: dict[int, list[Response]] = {}
-        for resp in responses:
-            members = self.registry.ranks(resp.set_id) or []
-            if resp.kind is OpKind.ADD_PROCESS_SET or resp.kind is OpKind.REMOVE_PROCESS_SET:
-                members = list(range(self.size))  # every rank keeps the same registry
-            for peer in members:
-                if peer != 0 and peer not in self._departed:
-                    by_peer.setdefault(peer, []).append(resp)
-        for peer, resps in by_peer.items():
-            self.transport.send_control(peer, encode(MSG_RESPONSES, resps=resps))
-        self._execute(responses)
-        return True
-
-    def _execute(self, responses: list[Response]) -> None:
-        self._executing = True
-        try:
-            self._execute_all(responses)
-            self._executing = False
-        finally:
-            # While a collective ran nobody's messages were read: don't count that as silence.
-            self._liveness.heard_all()
-
-    def _execute_all(self, responses: list[Response]) -> None:
-        for resp in responses:
-            members = self.registry.ranks(resp.set_id)
-            in_set = members is not None and self.rank in members
-            if resp.kind is OpKind.REMOVE_PROCESS_SET:
-                self._lanes.remove(resp.value)
-            elif resp.kind is OpKind.JOIN and in_set:
-                self._lanes.joined(resp.set_id, self._executor.existing_route(resp.set_id))
-            elif resp.kind is OpKind.ERROR and in_set and resp.value not in (ERROR_STALL,
-                                                                             ERROR_SHUTDOWN):
-                for name in resp.names:  # a failed op some members never issued: number
-                    self.names.observe(resp.set_id, name)  # the next one alike everywhere
-                if "join" in resp.names:  # a failed join (deadlock): this rank is back in
-                    self._lanes.join_failed(resp.set_id)
-            if in_set or resp.kind in (OpKind.ADD_PROCESS_SET, OpKind.REMOVE_PROCESS_SET,
-                                       OpKind.ERROR):
-                self._executor.execute(resp, self._pending.setdefault(resp.set_id, {}))
-
     # ---- shutdown and failure ------------------------------------------------------------------
     def _abort(self, exc: HoraError) -> None:
         """Fail this rank loudly: unblock peers at once, tell the others, collect their causes."""
@@ -426,7 +383,7 @@ class Engine:
                  else exc)
         self.transport.shutdown_data()  # peers blocked on our data get EOF now, not a timeout
         self._liveness.send_abort(exc)
-        if self._executing and not remote:
+        if self._responses.executing and not remote:
             # A data-plane error may only be an echo (a peer that failed first shut its data
             # down): add what the other ranks report, so the message names the root cause.
             others = self._liveness.gather_abort_reasons(ABORT_GATHER_SECONDS)
