@@ -110,12 +110,13 @@ class HostHealth:
             state.out_until = now + cooldown
             if math.isinf(cooldown):
                 log.info("blacklisting host %s after %d failed workers; it will not be used "
-                            "again in this job (--blacklist-cooldown-range lets it return)",
-                            host, state.failures)
+                         "again in this job (a cooldown range lets it return: hora run's "
+                         "--blacklist-cooldown-range, or cooldown_range= in "
+                         "ElasticRayExecutor.create_settings)", host, state.failures)
             else:
                 log.info("blacklisting host %s after %d failed workers, for %.1f s "
-                            "(blacklisting number %d)", host, state.failures, cooldown,
-                            state.times_blacklisted)
+                         "(blacklisting number %d)", host, state.failures, cooldown,
+                         state.times_blacklisted)
             return True
 
     def is_blacklisted(self, host: str) -> bool:
