@@ -28,13 +28,16 @@ States (every other keyword becomes plain :class:`~hora.elastic.ObjectState` dat
 * :class:`TensorFlowKerasState`: a Keras model's weights (``model.weights``: trainable and
   non-trainable, e.g. BatchNormalization statistics; not metric state or RNG seeds) and its
   optimizer's variables (iterations, learning rate, slots);
-* :class:`TensorFlowState`: a list of variables.
+* :class:`TensorFlowState`: a list of variables, eager, or of a ``tf.compat.v1`` graph run
+  by a session (``session=sess``: read, assigned and broadcast by ops run in the session,
+  :mod:`hora.tensorflow.v1_state`).
 
 A commit snapshots each variable with ``tf.identity`` (TensorFlow's tensors are values: the next
 update of the variable writes a new buffer instead of the snapshot's, so a commit costs about
 nothing and a restore never aliases the snapshot); ``sync()`` broadcasts the variables from rank
 0 (:func:`~hora.tensorflow.functions.broadcast_variables`, after checking that every rank holds
-the same list of shapes and dtypes) and takes the result as the new snapshot.
+the same list of shapes and dtypes) and takes the result as the new snapshot. With a session,
+a commit holds numpy copies read in the session.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from hora.elastic.state import ObjectState, State
 from hora.elastic.worker import reset, run_fn
 from hora.errors import HorovodInternalError
 from hora.tensorflow.functions import allgather_object, broadcast_object, broadcast_variables
+from hora.tensorflow.v1_state import SessionVariables, default_session
 
 log = get_logger(__name__)
 
@@ -137,8 +141,9 @@ def run(func: F) -> F:
 def _eager(what: str) -> None:
     if not tf.executing_eagerly():
         raise RuntimeError(f"{what} needs eager execution (TensorFlow 2): create it and call "
-                           "commit() / restore() / sync() outside tf.function; TF1 graphs and "
-                           "sessions are not supported by hora.")
+                           "commit() / restore() / sync() outside tf.function (for the "
+                           "variables of a tf.compat.v1 graph use TensorFlowState(variables, "
+                           "session=sess)).")
 
 
 def _unique(variables: Sequence[Any]) -> list[Any]:
@@ -156,8 +161,8 @@ def _describe(v: Any) -> str:
 
 
 def _signature(variables: Sequence[Any]) -> list[tuple[str, tuple[int | None, ...]]]:
-    return [(tf.as_dtype(v.dtype).name, tuple(None if d is None else int(d) for d in v.shape))
-            for v in variables]
+    return [(tf.as_dtype(v.dtype).base_dtype.name,
+             tuple(None if d is None else int(d) for d in v.shape)) for v in variables]
 
 
 class _Snapshot:
@@ -180,9 +185,11 @@ class _Snapshot:
                         "keep their current values: %s", owner, len(new), ", ".join(new[:5]))
 
 
-def _sync_variables(variables: Sequence[Any], owner: str) -> None:
-    """Broadcast ``variables`` from rank 0 after checking that every rank holds the same list
-    of dtypes and shapes (else ``ValueError`` on every rank, naming the first difference)."""
+def _sync_variables(variables: Sequence[Any], owner: str,
+                    broadcast: Callable[[], None] | None = None) -> None:
+    """Broadcast ``variables`` from rank 0 (eagerly, or by calling ``broadcast``) after
+    checking that every rank holds the same list of dtypes and shapes (else ``ValueError`` on
+    every rank, naming the first difference)."""
     mine = _signature(variables)
     everyone = allgather_object(mine, name=f"{owner}.sync.signature")
     root = everyone[0]
@@ -202,7 +209,10 @@ def _sync_variables(variables: Sequence[Any], owner: str) -> None:
             "worker must build the same model and optimizer before the elastic function runs "
             "(a Keras optimizer creates its slots lazily: TensorFlowKerasState builds it for "
             "model.trainable_variables when it is created).")
-    broadcast_variables(list(variables), root_rank=0)
+    if broadcast is not None:
+        broadcast()
+    else:
+        broadcast_variables(list(variables), root_rank=0)
 
 
 class TensorFlowKerasState(ObjectState):
@@ -288,55 +298,79 @@ class TensorFlowKerasState(ObjectState):
 
 class TensorFlowState(ObjectState):
     """State of a list of TensorFlow variables (Horovod's
-    ``horovod.tensorflow.elastic.TensorFlowState``), TensorFlow 2 eager only.
+    ``horovod.tensorflow.elastic.TensorFlowState``): TensorFlow 2 eager variables, or the
+    variables of a ``tf.compat.v1`` graph run by a session.
 
     Args:
-        variables: ``tf.Variable``\\ s or Keras variables (a list, or one variable). Required:
-            TensorFlow 2 has no global variables to default to.
-        session: TF1 sessions are not supported: anything but None raises
-            ``NotImplementedError``.
+        variables: ``tf.Variable``\\ s or Keras variables (a list, or one variable). Required
+            eagerly (TensorFlow 2 has no global variables to default to); with a session,
+            default ``tf.compat.v1.global_variables()`` of the session's graph.
+        session: a ``tf.compat.v1.Session`` whose graph holds the variables: commits read the
+            values with it, restores assign them back and syncs broadcast rank 0's values by
+            running ops in it (:class:`~hora.tensorflow.v1_state.SessionVariables`: built now,
+            so later calls never grow the graph). In graph mode without ``session``, the
+            default session (``with sess.as_default():``); none is ``ValueError``.
         **kwargs: plain attributes, deep-copied at every commit.
 
     :meth:`sync` and :meth:`commit` are collective.
     """
 
     def __init__(self, variables: Any = None, session: Any = None, **kwargs: Any) -> None:
+        owner = type(self).__name__
+        if session is None and not tf.executing_eagerly():
+            if tf.inside_function():
+                _eager(owner)  # inside tf.function: RuntimeError
+            session = default_session(owner)
+        self.session = session
+        self._graph: SessionVariables | None = None
         if session is not None:
-            raise NotImplementedError(
-                "TensorFlowState(session=...): TF1 sessions are not supported by hora "
-                "(TensorFlow 2 eager execution only); pass variables=[...] and no session.")
-        _eager(type(self).__name__)
-        if variables is None:
-            raise ValueError("TensorFlowState needs variables=[...] under TensorFlow 2 (eager "
-                             "execution has no global variables to default to), e.g. "
-                             "TensorFlowState(model.variables + optimizer.variables).")
-        many = isinstance(variables, (list, tuple)) or (
-            not hasattr(variables, "assign") and hasattr(variables, "__iter__"))
-        found = _unique(list(variables) if many else [variables])
-        bad = [type(v).__name__ for v in found if not hasattr(v, "assign")]
-        if bad:
-            raise TypeError(f"TensorFlowState: variables must be tf.Variable or Keras variables "
-                            f"(objects with assign()); got {', '.join(sorted(set(bad)))}")
-        self.variables = found
-        self.session = None
-        self._snapshot = _Snapshot()
-        self._snapshot.save(self.variables)
+            self._graph = SessionVariables(variables, session, owner)
+            self.variables = self._graph.variables
+            self._graph.save()
+        else:
+            _eager(owner)
+            if variables is None:
+                raise ValueError("TensorFlowState needs variables=[...] under TensorFlow 2 "
+                                 "(eager execution has no global variables to default to), "
+                                 "e.g. TensorFlowState(model.variables + optimizer.variables)"
+                                 "; or pass session=sess for a tf.compat.v1 graph.")
+            many = isinstance(variables, (list, tuple)) or (
+                not hasattr(variables, "assign") and hasattr(variables, "__iter__"))
+            found = _unique(list(variables) if many else [variables])
+            bad = [type(v).__name__ for v in found if not hasattr(v, "assign")]
+            if bad:
+                raise TypeError(f"TensorFlowState: variables must be tf.Variable or Keras "
+                                f"variables (objects with assign()); got "
+                                f"{', '.join(sorted(set(bad)))}")
+            self.variables = found
+            self._snapshot = _Snapshot()
+            self._snapshot.save(self.variables)
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
 
     def save(self) -> None:
-        _eager("TensorFlowState.save()")
-        self._snapshot.save(self.variables)
+        if self._graph is not None:
+            self._graph.save()
+        else:
+            _eager("TensorFlowState.save()")
+            self._snapshot.save(self.variables)
         super().save()
 
     def restore(self) -> None:
-        _eager("TensorFlowState.restore()")
-        self._snapshot.restore(self.variables, "TensorFlowState")
+        if self._graph is not None:
+            self._graph.restore()
+        else:
+            _eager("TensorFlowState.restore()")
+            self._snapshot.restore(self.variables, "TensorFlowState")
         super().restore()
 
     def sync(self) -> None:
-        _eager("TensorFlowState.sync()")
-        _sync_variables(self.variables, "TensorFlowState")
-        self._snapshot.save(self.variables)
+        if self._graph is not None:
+            _sync_variables(self.variables, "TensorFlowState", self._graph.broadcast)
+            self._graph.save()
+        else:
+            _eager("TensorFlowState.sync()")
+            _sync_variables(self.variables, "TensorFlowState")
+            self._snapshot.save(self.variables)
         super().sync()
 
     if TYPE_CHECKING:

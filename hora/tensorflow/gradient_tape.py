@@ -37,6 +37,27 @@ class _DistributedGradientTape(tf.GradientTape):
         reduced = self._hora_reducer(flat_grads, flat_sources)
         return tf.nest.pack_sequence_as(grads, reduced)
 
+    def get_local_and_global_gradients(self, target: Any, sources: Any,
+                                       output_gradients: Any = None,
+                                       use_generic_names: bool = False
+                                       ) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
+        """:meth:`gradient`, split in two as Horovod's tape does (for model-parallel code that
+        needs e.g. a gradient norm over the local and the shared gradients apart).
+
+        Returns ``(local_vars_grads, global_vars_grads)``: two lists of ``(source, gradient)``
+        pairs, each in the order of ``sources`` (flattened): the sources registered with
+        :meth:`register_local_source` (or by ``PartialDistributedGradientTape``'s
+        ``local_layers``) with their local gradients (divided by the set size when
+        ``scale_local_gradients``), and every other source with its reduced gradient.
+        ``None`` gradients are kept as ``None``. Collective like :meth:`gradient`."""
+        grads = self.gradient(target, sources, output_gradients, use_generic_names)
+        local_ids = self._hora_reducer.local_ids
+        local: list[tuple[Any, Any]] = []
+        shared: list[tuple[Any, Any]] = []
+        for source, grad in zip(tf.nest.flatten(sources), tf.nest.flatten(grads)):
+            (local if id(source) in local_ids else shared).append((source, grad))
+        return local, shared
+
     def register_local_source(self, source: Any) -> None:
         """Leave ``source``'s gradient out of the allreduce (divided by the set size instead,
         when ``scale_local_gradients``)."""

@@ -12,7 +12,9 @@ numpy reference built from every rank's inputs (exchanged with ``allgather_objec
   ``backward_passes_per_step=2``, and with ``op=Adasum`` (the delta optimizer); Keras optimizers
   delegated to ``hora.tensorflow.keras``;
 * ``broadcast_global_variables`` and ``BroadcastGlobalVariablesHook`` in a session and a
-  ``MonitoredTrainingSession``; the errors.
+  ``MonitoredTrainingSession``; the errors;
+* the tape's ``get_local_and_global_gradients`` and ``hvd.elastic.TensorFlowState`` with a TF1
+  session (:mod:`tf_split_state_cases`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from group_tf_adasum import adasum
+from tf_split_state_cases import elastic_session, tape_local_global
 
 import hora.keras as hk
 import hora.tensorflow.keras as htk
@@ -30,7 +33,7 @@ import hora.tensorflow.keras as htk
 v1 = tf.compat.v1
 CASE_IDS = ["graph-ops", "sync-bn-eager", "sync-bn-function-mask", "sync-bn-fit",
             "v1-session", "v1-hook", "v1-eager", "v1-options", "v1-backward-passes",
-            "v1-adasum", "dispatch-errors"]
+            "v1-adasum", "dispatch-errors", "tape-local-global", "elastic-session"]
 LR = 0.5
 EPS = 1e-3
 
@@ -384,6 +387,7 @@ def cases() -> list[tuple[str, Any]]:
            ("sync-bn-function-mask", _sync_bn_function_mask), ("sync-bn-fit", _sync_bn_fit),
            ("v1-session", _v1_session), ("v1-hook", _v1_hook), ("v1-eager", _v1_eager),
            ("v1-options", _v1_options), ("v1-backward-passes", _v1_backward_passes),
-           ("v1-adasum", _v1_adasum), ("dispatch-errors", _dispatch_errors)]
+           ("v1-adasum", _v1_adasum), ("dispatch-errors", _dispatch_errors),
+           ("tape-local-global", tape_local_global), ("elastic-session", elastic_session)]
     assert [c for c, _ in out] == CASE_IDS
     return out

@@ -73,6 +73,13 @@ def _reachable(hvd: Any) -> None:
             assert getattr(mod, name) is getattr(ke, name), name
     assert issubclass(ke.KerasState, tfe.TensorFlowKerasState)
     assert hasattr(tfe, "TensorFlowState")
+    # Horovod's Keras modules re-export the build/capability checks and the timeline
+    for name in ("mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
+                 "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
+                 "rocm_built", "start_timeline", "stop_timeline"):
+        for mod in (hora.keras, hora.tensorflow.keras):
+            assert getattr(mod, name) is getattr(hvd, name) and name in mod.__all__, name
+    assert hora.keras.gloo_enabled() is hvd.gloo_enabled()
 
 
 def _commit_restore(hvd: Any) -> None:
@@ -202,7 +209,7 @@ def _tensorflow_state(hvd: Any) -> None:
     assert len(single.variables) == 1 and single.variables[0] is w
 
     bad: list[tuple[dict[str, Any], type[Exception], str]] = [
-            ({"variables": [w], "session": object()}, NotImplementedError, "session"),
+            ({"variables": [w], "session": object()}, TypeError, "tf.compat.v1.Session"),
             ({}, ValueError, "variables=[...]"),
             ({"variables": [w, np.zeros(3)]}, TypeError, "ndarray")]
     for kwargs, exc_type, text in bad:
