@@ -201,7 +201,9 @@ def test_staged_prefix_and_caller_may_write_right_after(job_id: str, monkeypatch
         assert sums == [3.0 + 3 * s for s in range(20)]
 
 
-def test_steady_state_allocates_nothing_large(job_id: str) -> None:
+def test_steady_state_allocates_nothing_large(job_id: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("hora.collectives.shm.SHM_CHUNK_BYTES", 1 << 20)
     count = 1 << 22  # 16 MiB of float32: sixteen 1 MiB chunks
 
     def body(group: ShmGroup) -> tuple[int, int]:
