@@ -80,7 +80,9 @@ class GradientReducer:
             if g is None:
                 continue
             if id(v) in self.local_ids:
-                out[i] = g / size if self.scale_local_gradients else g
+                if self.scale_local_gradients:  # IndexedSlices: scale the values
+                    out[i] = (tf.IndexedSlices(g.values / size, g.indices, g.dense_shape)
+                              if isinstance(g, tf.IndexedSlices) else g / size)
             elif isinstance(g, tf.IndexedSlices):
                 out[i] = allreduce(g, op=self.op, name=self._name(i, v),
                                    process_set=self.process_set, ignore_name_scope=True)

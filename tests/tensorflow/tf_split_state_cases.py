@@ -30,20 +30,22 @@ def tape_local_global(hvd: Any) -> None:
     head.build((None, 2))
     emb = tf.Variable(np.ones((3, 2), "float32"))  # an IndexedSlices gradient, shared
     extra, unused = tf.Variable([1.0]), tf.Variable([0.0])
+    lemb = tf.Variable(np.ones((3, 2), "float32"))  # an IndexedSlices gradient, local
     hvd.broadcast_variables(shared.weights + head.weights, root_rank=0)
-    sources = [shared.kernel, extra, emb, head.kernel, shared.bias, head.bias, unused]
-    local_ids = {id(head.kernel), id(head.bias), id(extra)}
+    sources = [shared.kernel, extra, emb, lemb, head.kernel, shared.bias, head.bias, unused]
+    local_ids = {id(head.kernel), id(head.bias), id(extra), id(lemb)}
     pos = {id(s): i for i, s in enumerate(sources)}
 
     def loss() -> tf.Tensor:
         h = shared(x) + tf.reduce_sum(tf.gather(emb, [r % 3, 2]))
-        return tf.reduce_sum(head(h) ** 2) + extra[0] * float(r + 1)
+        return (tf.reduce_sum(head(h) ** 2) + extra[0] * float(r + 1)
+                + tf.reduce_sum(tf.gather(lemb, [r % 3])) * float(r + 2))
 
     with tf.GradientTape() as plain:
         value = loss()
     own = [None if g is None else _dense(g) for g in plain.gradient(value, sources)]
     everyone = hvd.allgather_object(own)
-    assert not np.allclose(everyone[0][3], everyone[1][3]), "local gradients should differ"
+    assert not np.allclose(everyone[0][4], everyone[1][4]), "local gradients should differ"
     want = [g if g is None or id(s) in local_ids else np.mean([e[i] for e in everyone], axis=0)
             for i, (s, g) in enumerate(zip(sources, own))]  # local: this rank's; else the mean
 
@@ -58,19 +60,21 @@ def tape_local_global(hvd: Any) -> None:
             for v in head.trainable_weights:
                 tape.register_local_source(v)
         tape.register_local_source(extra)
+        tape.register_local_source(lemb)
         return tape.get_local_and_global_gradients(value, sources)
 
     traced = tf.function(lambda: [[g for _, g in part] for part in split(True, True)])
     for partial, scale in ((True, True), (False, False), (False, True)):
         local, shared_pairs = split(partial, scale)
-        assert _same([s for s, _ in local], [extra, head.kernel, head.bias])  # sources' order
+        assert _same([s for s, _ in local], [extra, lemb, head.kernel, head.bias])  # in order
         assert _same([s for s, _ in shared_pairs], [shared.kernel, emb, shared.bias, unused])
         assert isinstance(shared_pairs[1][1], tf.IndexedSlices) and shared_pairs[3][1] is None
+        assert isinstance(local[1][1], tf.IndexedSlices)
         runs = [[[g for _, g in local], [g for _, g in shared_pairs]]]
         if partial:
             runs.append(traced())
         for local_grads, shared_grads in runs:
-            for s, g in zip([extra, head.kernel, head.bias], local_grads):
+            for s, g in zip([extra, lemb, head.kernel, head.bias], local_grads):
                 ref = want[pos[id(s)]] / (n if scale else 1)
                 np.testing.assert_allclose(_dense(g), ref, rtol=1e-5, atol=1e-6)
             for s, g in zip([shared.kernel, emb, shared.bias], shared_grads):
