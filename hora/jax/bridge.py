@@ -25,6 +25,7 @@ buffers; measured in :mod:`hora.jax.host_call`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,7 +76,7 @@ def check_leaf(leaf: Any, table: str, what: str) -> jax.ShapeDtypeStruct:
 
 def is_traced(leaves: Sequence[Any]) -> bool:
     """True when any leaf is a tracer (inside ``jit``, ``grad``, ``vmap``...)."""
-    return any(isinstance(x, jax.core.Tracer) for x in leaves)
+    return any(map(isinstance, leaves, itertools.repeat(jax.core.Tracer)))
 
 
 def to_host(leaf: Any) -> np.ndarray:
@@ -100,11 +101,13 @@ def eager_only(what: str, leaves: Sequence[Any]) -> None:
 
 
 def _callback(fn: HostFn, specs: Sequence[jax.ShapeDtypeStruct], xs: Sequence[Any],
-              pieces: Sequence[tuple[int, int]] | None = None) -> list[Any]:
+              pieces: Sequence[tuple[int, int]] | None = None,
+              inplace: bool = False) -> list[Any]:
     """``fn`` as one host call of the traced program: :mod:`hora.jax.host_call` (an FFI custom
-    call, CPU) or ``jax.pure_callback``; ``pieces`` as in :func:`hora.jax.host_call.call`."""
+    call, CPU) or ``jax.pure_callback``; ``pieces`` and ``inplace`` (FFI only) as in
+    :func:`hora.jax.host_call.call`."""
     if host_call.available():
-        return host_call.call(fn, specs, xs, pieces)
+        return host_call.call(fn, specs, xs, pieces, inplace)
 
     def host(*arrays: np.ndarray) -> list[np.ndarray]:
         outs = fn([np.asarray(a) for a in arrays])
@@ -147,14 +150,17 @@ def apply(what: str, leaves: Sequence[Any], forward: HostFn,
           out_specs: Sequence[jax.ShapeDtypeStruct], backward: HostFn | None,
           grad_specs: Sequence[jax.ShapeDtypeStruct] | None = None,
           cotangents: Callable[[list[Any]], list[Any]] | None = None,
-          pieces: Sequence[tuple[int, int]] | None = None) -> list[Any]:
+          pieces: Sequence[tuple[int, int]] | None = None,
+          inplace: bool = False) -> list[Any]:
     """Run ``forward`` on ``leaves``: eagerly, or as a host call when traced, differentiable
     through ``backward`` (cotangents of the outputs -> cotangents of the inputs, shaped like
     ``grad_specs``, the inputs' shapes by default) when every leaf is floating point.
     ``cotangents`` (traced) maps the outputs' cotangents to ``backward``'s operands (e.g. packs
     them into the inputs' buffers); by default they are its operands. With ``pieces`` (traced
     only) ``forward`` returns buffers and output ``k`` is cut out of them at
-    ``pieces[k] = (buffer, byte offset)``."""
+    ``pieces[k] = (buffer, byte offset)``; with ``inplace`` too, the FFI host call hands
+    ``forward`` writable buffers it may reduce in place (see :func:`hora.jax.host_call.call`;
+    only when :func:`hora.jax.host_call.available`)."""
     if not is_traced(leaves):
         return [to_jax(o) for o in forward([to_host(x) for x in leaves])]
     fwd_fn = forward if pieces is not None else _checked(forward, out_specs, what)
@@ -163,12 +169,12 @@ def apply(what: str, leaves: Sequence[Any], forward: HostFn,
         jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
     floating = all(jnp.issubdtype(x.dtype, jnp.inexact) for x in xs)
     if backward is None or not floating:
-        return _callback(fwd_fn, out_specs, xs, pieces)
+        return _callback(fwd_fn, out_specs, xs, pieces, inplace)
     bwd_fn = _checked(backward, in_specs, f"{what} (gradient)")
 
     @jax.custom_vjp
     def op(*inputs: Any) -> list[Any]:
-        return _callback(fwd_fn, out_specs, inputs, pieces)
+        return _callback(fwd_fn, out_specs, inputs, pieces, inplace)
 
     def op_fwd(*inputs: Any) -> tuple[list[Any], None]:
         return op(*inputs), None

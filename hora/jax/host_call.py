@@ -104,8 +104,9 @@ class _Call:
 
     def __init__(self, fn: HostFn, ins: Sequence[jax.ShapeDtypeStruct],
                  outs: Sequence[jax.ShapeDtypeStruct],
-                 pieces: Sequence[tuple[int, int]] | None) -> None:
+                 pieces: Sequence[tuple[int, int]] | None, inplace: bool = False) -> None:
         self.fn = fn
+        self.inplace = inplace
         self.ins = [(tuple(s.shape), np.dtype(s.dtype)) for s in ins]
         self.outs = [(tuple(s.shape), np.dtype(s.dtype)) for s in outs]
         self.nbytes = [int(np.prod(shape)) * dt.itemsize for shape, dt in self.outs]
@@ -125,22 +126,26 @@ _LOCK = threading.Lock()
 
 
 class _View:
-    """A read-only numpy view of ``nbytes`` at ``address`` (``__array_interface__``)."""
+    """A numpy view of ``shape`` ``dtype`` at ``address`` (``__array_interface__``),
+    read-only unless ``writable``."""
 
-    def __init__(self, address: int, shape: tuple[int, ...], dtype: np.dtype) -> None:
-        self.__array_interface__ = {"data": (address, True), "shape": shape,
+    def __init__(self, address: int, shape: tuple[int, ...], dtype: np.dtype,
+                 writable: bool = False) -> None:
+        self.__array_interface__ = {"data": (address, not writable), "shape": shape,
                                     "typestr": dtype.str, "version": 3}
 
 
 def _operands(frame: _CallFrame, call: _Call) -> list[np.ndarray]:
+    """Read-only views of the operands; with ``inplace``, writable views of the results that
+    XLA aliased to them (they hold the operands' values)."""
     views = []
-    args = frame.args.items
+    args, first = (frame.rets.items, len(call.outs)) if call.inplace else (frame.args.items, 0)
     for k, (shape, dtype) in enumerate(call.ins):
-        address = _P.from_address(args[k] + _DATA_OFFSET).value
+        address = _P.from_address(args[first + k] + _DATA_OFFSET).value
         if not address:  # zero-size operand
             views.append(np.empty(shape, dtype))
         else:
-            views.append(np.asarray(_View(address, shape, dtype)).view(dtype))
+            views.append(np.asarray(_View(address, shape, dtype, call.inplace)).view(dtype))
     return views
 
 
@@ -254,19 +259,28 @@ def available() -> bool:
 
 
 def call(fn: HostFn, out_specs: Sequence[jax.ShapeDtypeStruct], operands: Sequence[Any],
-         pieces: Sequence[tuple[int, int]] | None = None) -> list[Any]:
+         pieces: Sequence[tuple[int, int]] | None = None, inplace: bool = False) -> list[Any]:
     """``fn`` (host arrays -> host arrays shaped like ``out_specs``) on the traced
     ``operands``, as one custom call of the jitted program (under ``vmap``: once per
     element). With ``pieces``, ``fn`` returns buffers instead and result ``k`` is
     ``out_specs[k]``'s bytes at byte offset ``pieces[k][1]`` of buffer ``pieces[k][0]``
-    (a pytree cut out of packed buffers without a view per leaf). ``fn`` is kept for the
-    life of the process (compiled programs may call it)."""
+    (a pytree cut out of packed buffers without a view per leaf). With ``inplace`` (and
+    ``pieces``), ``fn`` gets writable buffers holding the operands' values (each operand is
+    aliased to an extra result of the call, which XLA copies first only if the operand is
+    needed elsewhere: a packed buffer made for the call is not) and may return them, changed
+    in place. ``fn`` is kept for the life of the process (compiled programs may call it)."""
+    if inplace and pieces is None:
+        raise ValueError("hora.jax host call: inplace needs pieces")
     ins = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in operands]
     key = next(_KEYS)
-    _CALLS[key] = _Call(fn, ins, out_specs, pieces)
-    outs = jax.ffi.ffi_call(TARGET, list(out_specs), vmap_method="sequential")(
-        *operands, key=np.int64(key))
-    return list(outs)
+    _CALLS[key] = _Call(fn, ins, out_specs, pieces, inplace)
+    results, aliases = list(out_specs), {}
+    if inplace:
+        aliases = {k: len(results) + k for k in range(len(ins))}
+        results += ins
+    outs = jax.ffi.ffi_call(TARGET, results, vmap_method="sequential",
+                            input_output_aliases=aliases)(*operands, key=np.int64(key))
+    return list(outs)[:len(out_specs)]
 
 
 __all__ = ["TARGET", "available", "call"]

@@ -39,6 +39,7 @@ from hora.core import packing as _packing
 from hora.core import spellings as _sp
 from hora.core.handle import Handle
 from hora.core.process_set import ProcessSet, global_process_set
+from hora.jax import host_call
 from hora.jax import packed as _packed
 from hora.jax.bridge import HOST, apply, check_leaf, is_traced
 from hora.jax.compression import Compression, Compressor
@@ -117,22 +118,31 @@ def _allreduce_packed(kind: str, flat: Flat, leaves: list[Any], full: str | None
     per leaf. Traced: XLA concatenates, one callback reduces the buffers and hands back every
     leaf as its own result (differentiable: the backward pass concatenates the cotangents and
     allreduces them); eagerly, the tree shape's cached plan packs with one jitted call and
-    unpacks with another. The op name carries the leaves' shapes, so trees that differ only in
-    shapes do not pair."""
+    unpacks with another. Packed buffers are hora's own, so the core reduces them in place
+    (eagerly when every buffer is packed; traced through the FFI host call's aliased
+    results). The op name carries the leaves' shapes, so trees that differ only in shapes do
+    not pair."""
     plan = _packed.plan(leaves, _sp.REDUCE, kind, lambda: Flat(leaves, flat.treedef).paths())
     name = f"{full}.{_packing.layout_tag(plan.layout)}"
     args = (op, pre, post, process_set)
     single = len(plan.layout.groups) == 1  # one buffer: the core's single-array op
 
-    def run(a: list[np.ndarray]) -> list[np.ndarray]:
-        if single:
-            return [_sp.run(HOST, _sp.ALLREDUCE, a[0], None, name, *args)]
-        out: list[np.ndarray] = _sp.run(HOST, _sp.GROUPED_ALLREDUCE, a, None, name, *args)
-        return out
+    def reduce(inplace: bool) -> Any:
+        def run(a: list[np.ndarray]) -> list[np.ndarray]:
+            if single:
+                return [_sp.run(HOST, _sp.ALLREDUCE, a[0], None, name, *args, inplace=inplace)]
+            out: list[np.ndarray] = _sp.run(HOST, _sp.GROUPED_ALLREDUCE, a, None, name, *args,
+                                            inplace=inplace)
+            return out
+        return _guard(kind, flat, plan.specs, True, process_set, run)
 
-    guard = _guard(kind, flat, plan.specs, True, process_set, run)
     if not is_traced(leaves):
-        return plan.leaves(guard(plan.host_buffers(leaves)))
+        buffers = plan.host_buffers(leaves)
+        # every buffer hora's own packed copy: reduce it in place (no copy, no new buffer)
+        inplace = plan.owned and all(b.flags.writeable for b in buffers)
+        return plan.leaves(reduce(inplace)(buffers))
+    inplace = host_call.available()  # the FFI host call hands over writable buffers
+    guard = reduce(inplace)
     gname = _grad_name(name, True)
 
     def backward(g: list[np.ndarray]) -> list[np.ndarray]:
@@ -141,7 +151,7 @@ def _allreduce_packed(kind: str, flat: Flat, leaves: list[Any], full: str | None
         return _grads.grouped_allreduce(HOST, g, *args, name=gname)
 
     return apply(kind, plan.buffers(leaves), guard, plan.specs, backward, plan.buffer_specs,
-                 plan.buffers, plan.pieces)
+                 plan.buffers, plan.pieces, inplace)
 
 
 def _compressed(compression: type[Compressor], leaves: list[Any],

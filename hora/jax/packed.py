@@ -7,13 +7,18 @@ result ~3 µs of Python. So every tree shape gets a cached :class:`Plan` (keyed 
 shapes and dtypes: the dtype checks, the layout and the functions below are made once):
 
 * eagerly, the small leaves are concatenated by one jitted function (one dispatch), the core
-  reduces the host buffers, and one jitted function whose only operation is a host call
+  reduces the host buffers (in place when every buffer is such a concatenation: hora's own
+  memory, so the core neither copies it nor allocates a result; measured ~10-20 % less time
+  for a 100-leaf tree on 2 ranks), and one jitted function whose only operation is a host call
   (:mod:`hora.jax.host_call`) copies each leaf's bytes out of the reduced buffers into its new
   array (one dispatch, ~1 µs a leaf, nothing per leaf to compile: a jitted split compiles for
   ~1 s at 100 leaves); large leaves go to the core as views and come back as one array each,
   as a single array would;
 * traced (inside ``jit``), XLA concatenates the leaves and one host call (one operand per
-  buffer) reduces the buffers and copies every leaf out as its own result (``pieces``).
+  buffer) reduces the buffers and copies every leaf out as its own result (``pieces``). With
+  the FFI host call each buffer is also aliased to an extra result, so the core reduces the
+  concatenation in place (XLA copies a buffer first only if it is needed elsewhere, e.g. a
+  large leaf passed through as its own buffer).
   Cutting in XLA instead costs a kernel per leaf (compiled: ~1 s more to compile a 100-leaf
   tree; a slice does not fuse into every consumer), and its gradient pads every piece to the
   whole buffer; here the backward pass concatenates the cotangents and reduces them in one
@@ -22,6 +27,7 @@ shapes and dtypes: the dtype checks, the layout and the functions below are made
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,6 +41,7 @@ from hora.jax import host_call
 from hora.jax.bridge import check_leaf, to_host, to_jax
 
 _PLANS: dict[tuple[Any, ...], Plan] = {}
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 _MAX_PLANS = 128
 
 
@@ -60,6 +67,9 @@ class Plan:
         packed_index = {k: n for n, k in enumerate(self.packed)}
         self._packed_pieces = [(packed_index[where[i][0]], where[i][1])
                                for i in self._packed_leaves]
+        self.owned = len(self.packed) == len(self.layout.groups)
+        """Every buffer is a packed group: :meth:`host_buffers` are private and writable, so
+        the op may reduce them in place."""
         self._lock = threading.Lock()
         self._result: list[np.ndarray] = []
         self._pack = jax.jit(self.concatenate)
@@ -86,8 +96,8 @@ class Plan:
     def host_buffers(self, leaves: Sequence[Any]) -> list[np.ndarray]:
         """Every group's buffer in host memory: one jitted concatenation of the packed
         groups, a flat view of each lone leaf."""
-        packed = iter(self._pack(list(leaves)) if self.packed else [])
-        return [np.asarray(next(packed)) if k in self.packed
+        packed = iter(jax.block_until_ready(self._pack(list(leaves))) if self.packed else [])
+        return [_writable(next(packed)) if k in self.packed
                 else to_host(leaves[idx[0]]).reshape(-1)
                 for k, idx in enumerate(self.layout.groups)]
 
@@ -122,14 +132,37 @@ class Plan:
         return [views[i] for i in self._packed_leaves]
 
 
+class _Owned:
+    """The ``__array_interface__`` of a writable view of ``array``'s memory; keeps it alive."""
+
+    def __init__(self, array: jax.Array) -> None:
+        self.array = array
+        self.__array_interface__ = {  # bytes: bfloat16's typestr would read back as void
+            "data": (array.unsafe_buffer_pointer(), False), "shape": (array.nbytes,),
+            "typestr": "|u1", "version": 3}
+
+
+def _writable(array: jax.Array) -> np.ndarray:
+    """A writable numpy view of a ready CPU ``array`` that this module made and no one else
+    holds (a packed buffer: the op reduces it in place, which saves the core a copy and a
+    buffer; the array itself is dropped once the leaves are copied out of the view)."""
+    if all(d.platform == "cpu" for d in array.devices()):
+        try:
+            return np.asarray(_Owned(array)).view(array.dtype).reshape(array.shape)
+        except Exception:  # noqa: BLE001 - no buffer pointer: the read-only view below
+            pass
+    return np.asarray(array)
+
+
 def plan(leaves: Sequence[Any], table: str, kind: str,
          paths: Callable[[], list[str]]) -> Plan:
     """The cached :class:`Plan` of ``leaves``' shapes and dtypes; on first sight the dtypes
     are checked against ``table`` (ValueError naming the leaf's path, from ``paths()``)."""
-    try:
-        key = (table, *[(x.shape, x.dtype) for x in leaves])
+    try:  # map with attrgetter: the loop in C (~10 µs less at 100 leaves)
+        key = (table, tuple(map(_SHAPE, leaves)), tuple(map(_DTYPE, leaves)))
     except AttributeError:  # Python scalars among the leaves
-        key = (table, *[(np.shape(x), getattr(x, "dtype", None) or type(x)) for x in leaves])
+        key = (table, tuple(map(np.shape, leaves)),
+               tuple(getattr(x, "dtype", None) or type(x) for x in leaves))
     found = _PLANS.get(key)
     if found is not None:
         return found

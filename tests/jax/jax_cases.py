@@ -121,6 +121,20 @@ def tree_packed(hvd: Any) -> None:
         t.join(60)
     for k in range(2):
         _eq(got[k], _packable_sum(n, 2 + k), f"packed tree (thread {k})")
+    # every leaf packed: the buffers are hora's own and reduced in place, eagerly and in jit
+    # (there XLA copies an operand still needed elsewhere, e.g. a lone leaf used again)
+    small = {k: v for k, v in _packable(r, 6).items() if k != "big"}
+    want = {k: v for k, v in _packable_sum(n, 6).items() if k != "big"}
+    for _ in range(2):
+        _eq(hvd.allreduce(small, op=hvd.Sum), want, "every leaf packed (eager, in place)")
+    _eq(small, {k: v for k, v in _packable(r, 6).items() if k != "big"}, "inputs untouched")
+    reuse = jax.jit(lambda t: (hvd.allreduce(t, op=hvd.Sum), t["big"] * 1, t["small"][0] * 1))
+    inputs = _packable(r, 7)
+    got_t, big, first_small = reuse(inputs)
+    _eq(got_t, _packable_sum(n, 7), "packed tree (jit, leaves used again)")
+    _eq([inputs, big, first_small], [_packable(r, 7), _packable(r, 7)["big"],
+                                     _packable(r, 7)["small"][0]],
+        "inputs and leaves used after the op keep their values (jit, in place)")
     f = jax.jit(lambda t: hvd.allreduce(t, op=hvd.Sum))
     _eq(f(_packable(r, 4)), _packable_sum(n, 4), "packed tree (jit)")
     _eq(f(_packable(r, 5)), _packable_sum(n, 5), "packed tree (jit, again)")
