@@ -95,6 +95,18 @@ def reduce_inplace(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
         ufunc(dst, src, out=dst)
 
 
+def reduce_into(dst: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp) -> None:
+    """``dst = op(a, b)`` element-wise (``a`` may be ``dst``): :func:`reduce_inplace` without
+    first copying ``a`` into ``dst``."""
+    ufunc = _UFUNCS.get(op)
+    if ufunc is None:
+        raise NotImplementedError(f"{ReduceOp(op).name} is not an element-wise reduction")
+    if dst.dtype == np.bool_ and ufunc is np.add:
+        np.logical_or(a, b, out=dst)
+    else:
+        ufunc(a, b, out=dst)
+
+
 def scale_inplace(buf: np.ndarray, factor: float) -> None:
     """Multiply ``buf`` by ``factor`` in place, with Horovod's arithmetic.
 

@@ -46,7 +46,7 @@ from hora.collectives._buffers import (
     offsets,
 )
 from hora.collectives.comm import U8, Fabric
-from hora.collectives.ops import ReduceOp, reduce_inplace
+from hora.collectives.ops import ReduceOp, reduce_inplace, scale_inplace
 from hora.collectives.select import (
     SHM_CHUNK_BYTES,
     SHM_SMALL_ALLREDUCE_BYTES,
@@ -160,17 +160,23 @@ class ShmGroup:
         self._staged = (parity, nbytes)
         return raw[:nbytes]
 
-    def allreduce(self, buf: Array, op: ReduceOp, *, algorithm: str | None = None) -> None:
+    def allreduce(self, buf: Array, op: ReduceOp, *, algorithm: str | None = None,
+                  src: Array | None = None, postscale: float = 1.0) -> None:
         """Reduce ``buf`` element-wise across the group, in place; identical bytes on every rank.
 
         Args:
             buf: 1-D C-contiguous writable array of a supported dtype, or a view from
                 :meth:`staging`.
-            op: Sum, Average (reduced as Sum; the caller scales by ``1/size``), Min, Max or
-                Product.
+            op: Sum, Average (reduced as Sum; the caller scales by ``1/size``, e.g. through
+                ``postscale``), Min, Max or Product.
             algorithm: force ``"replicated"`` or ``"chunked"`` (benchmarks); default: chosen by
                 :func:`~hora.collectives.select.select_shm_allreduce`. Ignored for a staged
                 buffer.
+            src: this rank's input when it is not in ``buf`` (same dtype and size, not
+                overlapping ``buf``; left unchanged): ``buf`` is then only written, which saves
+                copying ``src`` into it first. Not with a staged buffer.
+            postscale: the result is multiplied by it
+                (:func:`~hora.collectives.ops.scale_inplace`), while each slice is in cache.
 
         Raises:
             ValueError: bad buffer, or a staging view was handed out and not used here.
@@ -182,21 +188,31 @@ class ShmGroup:
         check_reducible(buf, "allreduce buffer")
         op = elementwise_op(op)
         staged = self._staged is not None
+        if src is not None:
+            check_array(src, "allreduce src", writable=False)
+            check_same_dtype(src, "allreduce src", buf, "allreduce buffer")
+            if src.size != buf.size or staged:
+                raise ValueError(f"allreduce src must have the buffer's {buf.size} elements "
+                                 f"(it has {src.size}) and needs an unstaged buffer")
         choice = algorithm or select_shm_allreduce(buf.nbytes, self.size)
         if choice not in ("replicated", "chunked"):
             raise ValueError(f"unknown shm allreduce algorithm {choice!r}")
         with self._collective(buf) as parity:
             if self.size == 1 or buf.size == 0:
+                if src is not None:
+                    np.copyto(buf, src)
+                scale_inplace(buf, postscale)
                 return
             if staged and select_shm_allreduce(buf.nbytes, self.size) == "replicated":
                 tmp = self._scratch[:buf.nbytes].view(buf.dtype)
-                shm_allreduce.staged_small(self._fabric, buf, op, parity, tmp)
+                shm_allreduce.staged_small(self._fabric, buf, op, parity, tmp, postscale)
             elif staged:
-                shm_allreduce.staged(self._fabric, buf, op, parity)
+                shm_allreduce.staged(self._fabric, buf, op, parity, postscale)
             elif choice == "replicated":
-                shm_allreduce.replicated(self._fabric, buf, op, parity)
+                shm_allreduce.replicated(self._fabric, buf, op, parity, src, postscale)
             else:
-                shm_allreduce.chunked(self._fabric, buf, op, parity, SHM_CHUNK_BYTES)
+                shm_allreduce.chunked(self._fabric, buf, op, parity, SHM_CHUNK_BYTES, src,
+                                      postscale)
 
     # ---- other collectives ---------------------------------------------------------------------
     def allgather(self, sendbuf: Array, counts: Sequence[int], out: Array) -> None:

@@ -4,6 +4,10 @@ Each is a function of the group's :class:`~hora.collectives.comm.Fabric`, the bu
 element-wise op and the collective's segment *parity* (see :mod:`hora.collectives.shm` for why
 two segments make a final barrier unnecessary). Every rank ends with identical bytes: each
 element is reduced by exactly one rank in a fixed order, or by every rank in the same order.
+Each also multiplies the result by a *postscale* (an Average's ``1/size``) where it is still
+in cache: the rank that reduces a slice scales it before publishing it. :func:`replicated` and
+:func:`chunked` may read this rank's input from a separate ``src`` (the caller's tensor; the
+buffer is then only written), which saves copying it into the buffer first.
 
 * :func:`replicated` (small buffers, one signal round): copy in, signal, every rank folds every
   rank's copy into its buffer in rank order.
@@ -36,7 +40,7 @@ import numpy as np
 
 from hora.collectives._buffers import Array, even_counts, offsets
 from hora.collectives.comm import U8, Fabric
-from hora.collectives.ops import ReduceOp, reduce_inplace
+from hora.collectives.ops import ReduceOp, reduce_inplace, reduce_into, scale_inplace
 
 
 def view(raw: U8, nbytes: int, dtype: np.dtype[Any]) -> Array:
@@ -55,15 +59,18 @@ def segments(fabric: Fabric, parity: int, nbytes: int, dtype: np.dtype[Any]) -> 
                  nbytes, dtype) for j in range(fabric.size)]
 
 
-def replicated(fabric: Fabric, buf: Array, op: ReduceOp, parity: int) -> None:
+def replicated(fabric: Fabric, buf: Array, op: ReduceOp, parity: int, src: Array | None = None,
+               postscale: float = 1.0) -> None:
     nbytes = buf.nbytes
-    np.copyto(view(fabric.reserve(parity, nbytes), nbytes, buf.dtype), buf)
+    np.copyto(view(fabric.reserve(parity, nbytes), nbytes, buf.dtype),
+              buf if src is None else src)
     sync(fabric)
     segs = segments(fabric, parity, nbytes, buf.dtype)
-    if fabric.rank != 0:
-        np.copyto(buf, segs[0])
-    for seg in segs[1:]:  # ((x0 op x1) op x2) ... on every rank: identical bytes
+    first = segs[0] if fabric.rank != 0 else (buf if src is None else src)
+    reduce_into(buf, first, segs[1], op)  # ((x0 op x1) op x2) ... on every rank: same bytes
+    for seg in segs[2:]:
         reduce_inplace(buf, seg, op)
+    scale_inplace(buf, postscale)
 
 
 LOOKAHEAD = 1
@@ -76,8 +83,10 @@ posted the export signal of chunk ``c - 1 - LOOKAHEAD``, which it does after imp
 ``c - 1 - 3 * LOOKAHEAD`` = ``c - SLOTS + 1``: after its last read of the slot's old chunk."""
 
 
-def chunked(fabric: Fabric, buf: Array, op: ReduceOp, parity: int, chunk_bytes: int) -> None:
+def chunked(fabric: Fabric, buf: Array, op: ReduceOp, parity: int, chunk_bytes: int,
+            src: Array | None = None, postscale: float = 1.0) -> None:
     rank, size = fabric.rank, fabric.size
+    data = buf if src is None else src
     per_chunk = max(size, chunk_bytes // buf.itemsize)
     nchunks = -(-buf.size // per_chunk)
     need = min(nchunks, SLOTS) * per_chunk * buf.itemsize if nchunks > 1 else buf.nbytes
@@ -98,7 +107,7 @@ def chunked(fabric: Fabric, buf: Array, op: ReduceOp, parity: int, chunk_bytes: 
         if chunk < nchunks:  # export the slices other ranks own, for them to reduce
             lo, slot, b = layout(chunk)
             for k in others:
-                np.copyto(mine[slot + b[k]:slot + b[k + 1]], buf[lo + b[k]:lo + b[k + 1]])
+                np.copyto(mine[slot + b[k]:slot + b[k + 1]], data[lo + b[k]:lo + b[k + 1]])
             exported.append(fabric.post())
         chunk = step - LOOKAHEAD
         if 0 <= chunk < nchunks:  # reduce this rank's slice straight into buf, publish it
@@ -107,8 +116,11 @@ def chunked(fabric: Fabric, buf: Array, op: ReduceOp, parity: int, chunk_bytes: 
             if not segs:
                 segs = segments(fabric, parity, need, buf.dtype)
             own = buf[lo + b[rank]:lo + b[rank + 1]]
+            first = data[lo + b[rank]:lo + b[rank + 1]]
             for j in others:
-                reduce_inplace(own, segs[j][slot + b[rank]:slot + b[rank + 1]], op)
+                reduce_into(own, first, segs[j][slot + b[rank]:slot + b[rank + 1]], op)
+                first = own
+            scale_inplace(own, postscale)
             np.copyto(mine[slot + b[rank]:slot + b[rank + 1]], own)
             reduced.append(fabric.post())
         chunk = step - 2 * LOOKAHEAD
@@ -119,19 +131,22 @@ def chunked(fabric: Fabric, buf: Array, op: ReduceOp, parity: int, chunk_bytes: 
                 np.copyto(buf[lo + b[j]:lo + b[j + 1]], segs[j][slot + b[j]:slot + b[j + 1]])
 
 
-def staged_small(fabric: Fabric, buf: Array, op: ReduceOp, parity: int, tmp: Array) -> None:
+def staged_small(fabric: Fabric, buf: Array, op: ReduceOp, parity: int, tmp: Array,
+                 postscale: float = 1.0) -> None:
     """:func:`replicated` for a staged buffer: fold every segment into ``tmp`` (peers are still
     reading this rank's segment, so not into ``buf``), then copy back after a second round."""
     sync(fabric)
     segs = segments(fabric, parity, buf.nbytes, buf.dtype)
-    np.copyto(tmp, segs[0])
-    for seg in segs[1:]:
+    reduce_into(tmp, segs[0], segs[1], op)
+    for seg in segs[2:]:
         reduce_inplace(tmp, seg, op)
+    scale_inplace(tmp, postscale)
     sync(fabric)
     np.copyto(buf, tmp)
 
 
-def staged(fabric: Fabric, buf: Array, op: ReduceOp, parity: int) -> None:
+def staged(fabric: Fabric, buf: Array, op: ReduceOp, parity: int,
+           postscale: float = 1.0) -> None:
     rank, size = fabric.rank, fabric.size
     b = offsets(even_counts(buf.size, size))
     sync(fabric)  # every rank's packed data is in place
@@ -140,6 +155,7 @@ def staged(fabric: Fabric, buf: Array, op: ReduceOp, parity: int) -> None:
     for j in range(size):
         if j != rank:
             reduce_inplace(own, segs[j][b[rank]:b[rank + 1]], op)
+    scale_inplace(own, postscale)
     sync(fabric)
     for j in range(size):
         if j != rank:

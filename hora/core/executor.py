@@ -203,12 +203,16 @@ class Executor:
             single = len(resp.names) == 1 and not resp.joined
             if single and (local[0] is None or local[0].output is None):
                 raise MismatchError(f"allreduce '{resp.names[0]}' has no output on this rank")
+            src = None  # the input, when the collective reads it from there (no copy in)
             if single:
                 entry = local[0]
                 assert entry is not None and entry.output is not None
                 out = entry.output
                 if out is not entry.tensor:
-                    np.copyto(out, entry.tensor)
+                    if resp.prescale == 1.0 and not np.may_share_memory(out, entry.tensor):
+                        src = entry.tensor.reshape(-1)
+                    else:
+                        np.copyto(out, entry.tensor)
                 buf = out.reshape(-1)
             else:
                 self._tl.activity_start_all(resp.names, MEMCPY_IN_FUSION_BUFFER)
@@ -232,8 +236,8 @@ class Executor:
                 self._tl.activity_start_all(resp.names,
                                             collective_activity(route.name, resp.kind))
             route.allreduce(buf, _OPS[resp.op], self._scratch_for(buf),  # Adasum: per tensor
-                            counts=sizes if resp.op == ReduceOp.Adasum and not single else None)
-            scale_inplace(buf, postscale)
+                            counts=sizes if resp.op == ReduceOp.Adasum and not single else None,
+                            src=src, postscale=postscale)
             if not single and recording:
                 self._tl.activity_start_all(resp.names, MEMCPY_OUT_FUSION_BUFFER)
             offset = 0

@@ -36,7 +36,7 @@ import numpy as np
 from hora._util.log import get_logger
 from hora.collectives.broadcast import broadcast
 from hora.collectives.comm import Comm
-from hora.collectives.ops import ReduceOp
+from hora.collectives.ops import ReduceOp, scale_inplace
 from hora.config import Config
 from hora.core.routing import DataPath, Route, build_route, close_quietly
 from hora.errors import ConfigError
@@ -110,13 +110,18 @@ class PlaneRoute(Route):
 
     # ---- collectives -------------------------------------------------------------------------
     def allreduce(self, buf: np.ndarray, op: ReduceOp, scratch: np.ndarray,
-                  counts: Sequence[int] | None = None) -> None:
+                  counts: Sequence[int] | None = None, *, src: np.ndarray | None = None,
+                  postscale: float = 1.0) -> None:
+        """:meth:`hora.core.routing.Route.allreduce` over the plane (or the builtin path)."""
         name = self._reduction(buf, op)
         if not name:
             why = "Adasum" if op is ReduceOp.Adasum else f"{op.name} allreduce of {buf.dtype}"
-            self._fallback(why).allreduce(buf, op, scratch, counts)
+            self._fallback(why).allreduce(buf, op, scratch, counts, src=src, postscale=postscale)
             return
+        if src is not None:
+            np.copyto(buf, src)
         self._run(self._plane.allreduce(buf, name), "allreduce")
+        scale_inplace(buf, postscale)
 
     def allgather(self, sendbuf: np.ndarray, counts: Sequence[int], out: np.ndarray) -> None:
         item = out.itemsize

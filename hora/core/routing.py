@@ -37,7 +37,7 @@ from hora.collectives.hierarchical import (
     leader_allreduce,
 )
 from hora.collectives.hierarchical_adasum import leader_adasum, shard_adasum
-from hora.collectives.ops import ReduceOp
+from hora.collectives.ops import ReduceOp, scale_inplace
 from hora.collectives.reducescatter import reducescatter
 from hora.collectives.select import select_allreduce
 from hora.collectives.shm import ShmGroup
@@ -127,11 +127,26 @@ class Route:
         return None
 
     def allreduce(self, buf: np.ndarray, op: ReduceOp, scratch: np.ndarray,
-                  counts: Sequence[int] | None = None) -> None:
-        """Reduce ``buf`` in place over this route. Adasum: hierarchical when the route is
-        (:mod:`hora.collectives.hierarchical_adasum`), gathered over shared memory on one host
-        (:func:`~hora.collectives.adasum.adasum_gathered`), else over the set's comm; each of
-        the tensors packed in ``buf``, ``counts`` elements each, with its own coefficients."""
+                  counts: Sequence[int] | None = None, *, src: np.ndarray | None = None,
+                  postscale: float = 1.0) -> None:
+        """Reduce ``buf`` in place over this route, then multiply it by ``postscale``
+        (:func:`~hora.collectives.ops.scale_inplace`). ``src``: this rank's input, when it is
+        not already in ``buf`` (same size; ``buf`` is then only written). Adasum: hierarchical
+        when the route is (:mod:`hora.collectives.hierarchical_adasum`), gathered over shared
+        memory on one host (:func:`~hora.collectives.adasum.adasum_gathered`), else over the
+        set's comm; each of the tensors packed in ``buf``, ``counts`` elements each, with its
+        own coefficients."""
+        if op is not ReduceOp.Adasum and self.group is not None \
+                and self._shm_fits(buf.nbytes):  # one host: copy and scale within the passes
+            self.group.allreduce(buf, op, src=src, postscale=postscale)
+            return
+        if src is not None:
+            np.copyto(buf, src)
+        self._allreduce(buf, op, scratch, counts)
+        scale_inplace(buf, postscale)
+
+    def _allreduce(self, buf: np.ndarray, op: ReduceOp, scratch: np.ndarray,
+                   counts: Sequence[int] | None) -> None:
         if op is ReduceOp.Adasum:
             if self.scheme is DataPath.SHARD and self._local is not None:
                 shard_adasum(self._local, self._cross, buf, hosts=self._hosts, counts=counts)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hora.collectives.ops import ReduceOp
+from hora.collectives.ops import ReduceOp, scale_inplace
 from hora.collectives.select import SHM_SMALL_ALLREDUCE_BYTES, select_shm_allreduce
 from hora.collectives.shm import ShmGroup
 from hora.errors import HoraTimeoutError, PeerLostError, TransportError
@@ -128,6 +128,56 @@ def test_float_results_bitwise_identical_on_every_rank(job_id: str, monkeypatch:
                 str(data.dtype)]
             np.testing.assert_allclose(results[0][i].astype(np.float64), exact, rtol=tol,
                                        atol=tol * 1000 * n)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("algo", ALGOS)
+def test_src_and_postscale_equal_copy_reduce_then_scale(job_id: str, monkeypatch: Any,
+                                                        algo: str, n: int) -> None:
+    """``src=`` (input read from the caller's array, left unchanged) and ``postscale=`` (folded
+    into the passes) give the bytes of copying in, reducing, then ``scale_inplace``."""
+    monkeypatch.setattr("hora.collectives.shm.SHM_CHUNK_BYTES", 64)
+    _force(monkeypatch, algo)
+    cases = [(d, op, c, f) for d in ("float32", "float16", "int32", "bool")
+             for op in (ReduceOp.Sum, ReduceOp.Max) for c in (0, 1, 13, 2053)
+             for f in (1.0, 1 / 3)]
+    inputs = {case: make_inputs(*case[:2], n, case[2], seed=i) for i, case in enumerate(cases)}
+
+    def body(group: ShmGroup) -> dict[Any, tuple[np.ndarray, np.ndarray]]:
+        out = {}
+        for case in cases:
+            x = inputs[case][group.rank].copy()
+            if algo.startswith("staged"):
+                view = group.staging(x.nbytes).view(x.dtype)
+                view[:] = x
+                group.allreduce(view, case[1], postscale=case[3])
+                got = view.copy()
+            else:
+                got = np.full_like(x, 7)
+                group.allreduce(got, case[1], algorithm=algo, src=x, postscale=case[3])
+                assert same_bytes(x, inputs[case][group.rank]), "src was modified"
+            old = _allreduce(group, inputs[case][group.rank].copy(), case[1], algo)
+            scale_inplace(old, case[3])
+            out[case] = (got, old)
+        return out
+
+    for rank, results in enumerate(shm_world(n, job_id, body)):
+        for case, (got, old) in results.items():
+            assert same_bytes(got, old), (algo, n, rank, case, got[:8], old[:8])
+
+
+def test_src_errors(job_id: str) -> None:
+    def body(group: ShmGroup) -> None:
+        buf = np.zeros(8, np.float32)
+        with pytest.raises(TypeError, match="src has dtype float64"):
+            group.allreduce(buf, ReduceOp.Sum, src=np.zeros(8))
+        with pytest.raises(ValueError, match="src must have the buffer's 8 elements"):
+            group.allreduce(buf, ReduceOp.Sum, src=np.zeros(7, np.float32))
+        view = group.staging(buf.nbytes).view(np.float32)
+        with pytest.raises(ValueError, match="needs an unstaged buffer"):
+            group.allreduce(view, ReduceOp.Sum, src=buf)
+
+    shm_world(2, job_id, body)
 
 
 def test_large_allreduce_multiple_real_chunks_and_growth(job_id: str) -> None:
