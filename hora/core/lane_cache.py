@@ -30,10 +30,16 @@ from hora.core.messages import OpKind, Response
 from hora.core.naming import is_automatic
 from hora.core.routing import Route
 
-MAX_BYTES = 4 * 1024 * 1024
-"""Largest allreduce (and fused batch, and allgather result) the lane runs. Above it the
-coordinator's round trip is a few percent of the op, and the negotiated path measured faster at
-16 MiB in benchmarks/allreduce.py (6.3 ms against 7.4-9.0 ms through the lane)."""
+MAX_BYTES = 16 * 1024 * 1024
+"""Largest allreduce (and fused batch) the lane runs. Measured 2026-11-25 (the same ops through
+the lane and negotiated, interleaved in one job, warm segments, load 3.6-5): 2 ranks, the lane
+1.1-1.6x faster at 8 MiB, 1.0-1.2x at 16 MiB (the coordinator's round trip, ~0.5 ms under load,
+saved), 1.0-1.1x at 32 MiB, equal at 64 MiB; 3 ranks equal at 8-16 MiB. Above 16 MiB the lane's
+own pair of segments would mostly double the shared memory. (The earlier 4 MiB limit came from
+a benchmark whose lane ops ran on freshly mapped segments.)"""
+
+MAX_GATHER_BYTES = 4 * 1024 * 1024
+"""Largest allgather result the lane runs."""
 
 MAX_ROWS = 0xFFFFFFFF
 """An allgather's first dimension must fit its board word to be a hit."""
@@ -179,4 +185,4 @@ class SlotCache:
     def allgather_fits(self, slot: Slot, rows: list[int]) -> bool:
         """Whether an allgather of ``rows`` per member runs in the lane (the leader decides)."""
         nbytes = sum(rows) * slot.nbytes
-        return nbytes <= MAX_BYTES and self._route.fits(nbytes)
+        return nbytes <= MAX_GATHER_BYTES and self._route.fits(nbytes)

@@ -22,6 +22,7 @@ import hora.core.fastlane as fastlane
 from hora.collectives.ops import check_dtype
 from hora.core.entry import Entry
 from hora.core.handle import GroupHandle, Handle
+from hora.core.lane_cache import MAX_GATHER_BYTES
 from hora.core.messages import OpKind, Request
 from hora.errors import DeadlockError, HoraInternalError, HoraTimeoutError
 
@@ -223,7 +224,7 @@ def test_cached_allgather_with_changing_first_dimensions(world: Any) -> None:
 def test_allgather_too_large_for_the_lane_is_negotiated(world: Any) -> None:
     w = world(2)
     row = np.ones((1, 1024), np.float32)  # 4 KiB a row
-    big = fastlane.MAX_BYTES // row.nbytes  # rows per rank: twice the lane's limit in all
+    big = MAX_GATHER_BYTES // row.nbytes  # rows per rank: twice the lane's limit in all
     for i, rows in enumerate([1, 2, big, 3, big, 1]):
         before = _stat(w, "fast_ops") if i else None
         xs = [np.repeat(row, rows, axis=0) * (r + i) for r in range(2)]
