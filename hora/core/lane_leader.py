@@ -50,6 +50,13 @@ log = get_logger(__name__)
 AGREED = 0
 """What :meth:`Leader._unit` finds when every member logged the same unit."""
 
+SOLO_BYTES = 1024 * 1024
+"""An allreduce of at least this many bytes runs as its own lane op, never fused with others.
+Alone it is reduced straight from its input into its output (the shared-memory ``chunked``
+algorithm with ``src``); fused it is packed into the segment and unpacked again, two more
+passes over its bytes, which cost more than the signal rounds fusion saves from about 1 MiB on.
+"""
+
 
 class Leader:
     """Rank 0's decisions for the lane of process set ``set_id`` (driven by whichever thread
@@ -121,7 +128,8 @@ class Leader:
                             break
                         grown = total + sum(slot.nbytes for slot in more)
                         if not all(unit[0].fuses_with(slot) for slot in more) \
-                                or grown > self._cache.limit or not self._route.fits(grown):
+                                or grown > self._cache.limit or not self._route.fits(grown) \
+                                or any(s.nbytes >= SOLO_BYTES for s in (*unit, *more)):
                             break
                         total, q = grown, end
                     q -= p
@@ -170,7 +178,8 @@ class Leader:
         for slot in unit[1:]:
             grown = total + slot.nbytes
             if grown > self._cache.limit or not first.fuses_with(slot) \
-                    or not self._route.fits(grown):
+                    or not self._route.fits(grown) \
+                    or max(first.nbytes, slot.nbytes) >= SOLO_BYTES:
                 break
             total, n = grown, n + 1
         return n, total

@@ -23,6 +23,7 @@ from hora.collectives.ops import check_dtype
 from hora.core.entry import Entry
 from hora.core.handle import GroupHandle, Handle
 from hora.core.lane_cache import MAX_GATHER_BYTES
+from hora.core.lane_leader import SOLO_BYTES
 from hora.core.messages import OpKind, Request
 from hora.errors import DeadlockError, HoraInternalError, HoraTimeoutError
 
@@ -104,6 +105,29 @@ def test_cached_group_runs_as_one_fused_lane_op_with_exact_results(world: Any, n
             assert _delta(before[0], _stat(w, "batches")) == [1] * n  # one collective
             assert _delta(before[1], _stat(w, "fast_ops")) == [10] * n
     assert _stat(w, "slots") == [10] * n and _stat(w, "off") == [False] * n
+
+
+@pytest.mark.parametrize(("sizes", "batches"), [
+    ([3, SOLO_BYTES // 4, 5, 7], 3),  # the 1 MiB tensor runs alone, the small ones around it
+    ([SOLO_BYTES // 16 + 1] * 4, 1),  # over SOLO_BYTES together, each under it (float32)
+])
+def test_tensors_of_a_mebibyte_run_alone(world: Any, sizes: list[int], batches: int) -> None:
+    """An allreduce of >= SOLO_BYTES is never fused (alone it needs no packing); smaller ones
+    still fuse even when together they exceed it."""
+    w = world(2)
+    names = [f"solo.{k}" for k in range(len(sizes))]
+
+    def tensors(r: int, i: int) -> list[np.ndarray]:
+        return [np.arange(size, dtype=np.float32) % 97 * (r + 1) + i for size in sizes]
+
+    for i in range(3):
+        before = _stat(w, "batches") if i else []  # the first round is negotiated
+        got = _wait_all([_unit(w, r, names, tensors(r, i)) for r in range(2)])
+        for result in got:
+            for k, g in enumerate(result):
+                np.testing.assert_array_equal(g, tensors(0, i)[k] + tensors(1, i)[k])
+        if i:
+            assert _delta(before, _stat(w, "batches")) == [batches] * 2
 
 
 def test_a_late_rank_does_not_split_the_group(world: Any) -> None:
