@@ -118,10 +118,9 @@ def _allreduce_packed(kind: str, flat: Flat, leaves: list[Any], full: str | None
     per leaf. Traced: XLA concatenates, one callback reduces the buffers and hands back every
     leaf as its own result (differentiable: the backward pass concatenates the cotangents and
     allreduces them); eagerly, the tree shape's cached plan packs with one jitted call and
-    unpacks with another. Packed buffers are hora's own, so the core reduces them in place
-    (eagerly when every buffer is packed; traced through the FFI host call's aliased
-    results). The op name carries the leaves' shapes, so trees that differ only in shapes do
-    not pair."""
+    unpacks with another. When every buffer is a concatenation (hora's own memory), the core
+    reduces it in place (traced: through the FFI host call's aliased results). The op name
+    carries the leaves' shapes, so trees that differ only in shapes do not pair."""
     plan = _packed.plan(leaves, _sp.REDUCE, kind, lambda: Flat(leaves, flat.treedef).paths())
     name = f"{full}.{_packing.layout_tag(plan.layout)}"
     args = (op, pre, post, process_set)
@@ -141,7 +140,10 @@ def _allreduce_packed(kind: str, flat: Flat, leaves: list[Any], full: str | None
         # every buffer hora's own packed copy: reduce it in place (no copy, no new buffer)
         inplace = plan.owned and all(b.flags.writeable for b in buffers)
         return plan.leaves(reduce(inplace)(buffers))
-    inplace = host_call.available()  # the FFI host call hands over writable buffers
+    # every buffer a concatenation made for the call: the FFI host call hands them over
+    # writable (a lone leaf stays read-only: if it is an argument of the jitted function, XLA
+    # would copy it first, slower than the core's copy)
+    inplace = plan.owned and host_call.available()
     guard = reduce(inplace)
     gname = _grad_name(name, True)
 

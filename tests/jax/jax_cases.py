@@ -122,18 +122,17 @@ def tree_packed(hvd: Any) -> None:
     for k in range(2):
         _eq(got[k], _packable_sum(n, 2 + k), f"packed tree (thread {k})")
     # every leaf packed: the buffers are hora's own and reduced in place, eagerly and in jit
-    # (there XLA copies an operand still needed elsewhere, e.g. a lone leaf used again)
-    small = {k: v for k, v in _packable(r, 6).items() if k != "big"}
-    want = {k: v for k, v in _packable_sum(n, 6).items() if k != "big"}
+    def small(salt: int, tree: Any = None) -> Any:
+        return {k: v for k, v in (tree or _packable(r, salt)).items() if k != "big"}
     for _ in range(2):
-        _eq(hvd.allreduce(small, op=hvd.Sum), want, "every leaf packed (eager, in place)")
-    _eq(small, {k: v for k, v in _packable(r, 6).items() if k != "big"}, "inputs untouched")
-    reuse = jax.jit(lambda t: (hvd.allreduce(t, op=hvd.Sum), t["big"] * 1, t["small"][0] * 1))
-    inputs = _packable(r, 7)
-    got_t, big, first_small = reuse(inputs)
-    _eq(got_t, _packable_sum(n, 7), "packed tree (jit, leaves used again)")
-    _eq([inputs, big, first_small], [_packable(r, 7), _packable(r, 7)["big"],
-                                     _packable(r, 7)["small"][0]],
+        inputs = small(6)
+        _eq(hvd.allreduce(inputs, op=hvd.Sum), small(6, _packable_sum(n, 6)),
+            "every leaf packed (eager, in place)")
+        _eq(inputs, small(6), "inputs untouched (eager, in place)")
+    reuse = jax.jit(lambda t: (hvd.allreduce(t, op=hvd.Sum), t["small"][0] * 1, t["np"] * 1))
+    got_t, first, np_leaf = reuse(inputs := small(7))
+    _eq(got_t, small(7, _packable_sum(n, 7)), "every leaf packed (jit, in place)")
+    _eq([inputs, first, np_leaf], [small(7), small(7)["small"][0], small(7)["np"]],
         "inputs and leaves used after the op keep their values (jit, in place)")
     f = jax.jit(lambda t: hvd.allreduce(t, op=hvd.Sum))
     _eq(f(_packable(r, 4)), _packable_sum(n, 4), "packed tree (jit)")
