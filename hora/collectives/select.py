@@ -116,17 +116,24 @@ float32 allreduce, replicated vs chunked, with other jobs on the 2 cores: 2 rank
 63 us, 256 KiB 64 vs 90 us, 1 MiB 220 vs 266 us; 4 ranks 256 KiB 340 vs 451 us, 1 MiB 1076 vs
 833 us. Above ~256 KiB on more ranks the chunked algorithm's smaller memory traffic wins."""
 
-SHM_CHUNK_BYTES = 4 * 1024 * 1024
-"""Chunk of the ``chunked`` shared-memory allreduce: buffers up to this size run as one chunk
-(two signal rounds), larger ones pipelined over chunks of it. Every chunk costs two signal
-rounds, and a round in which the peer is a little behind costs a wait (a futex sleep and a
-wake-up when the wait outlasts the spin); on 2 cores both ranks are always busy, so smaller
-chunks buy cache locality but no overlap. Measured 2026-11-25 (direct ``ShmGroup.allreduce``,
-1-8 MiB chunks interleaved in one job, machine shared, load 1.5-2.8): 2 ranks, 2-4 MiB buffers
-0.13-0.89 ms with 4 MiB chunks against 0.17-1.58 ms with 1 MiB (1.3-2x), 8-64 MiB 4 MiB
-chunks equal or up to 2.2x faster; 3 and 4 ranks (oversubscribed) equal or up to 1.8x faster.
-The working set (five 4 MiB slots and the chunks in flight) stays within the 32 MiB L3. The
-earlier 1 MiB (the 2 MiB L2) did as well only on an idle machine."""
+SHM_CHUNK_BYTES = 1024 * 1024
+"""Chunk of the ``chunked`` shared-memory allreduce for buffers over
+:data:`SHM_ONE_CHUNK_BYTES`. Each rank's working set (a few chunks of its buffer and five chunk
+slots of segments) stays in the 2 MiB per-core L2 / shared L3, so data crosses cores through the
+cache; each chunk's two signals (~2-5 us each when both ranks run) stay small next to its
+copy-and-reduce time (~150-300 us). Measured at 16-256 MiB on 2 ranks: best of 0.5-16 MiB
+chunks on an idle machine; with other jobs on the cores 4-16 MiB chunks did up to ~20 % better
+(fewer waits for a descheduled peer), at 4-16x the segment memory. Measured again 2026-11-25
+(1, 2 and 4 MiB chunks interleaved in one job): 16 and 64 MiB 1.3-1.6x faster with 1 MiB
+chunks in a quiet moment, within a few percent of 4 MiB chunks at load 2-3."""
+
+SHM_ONE_CHUNK_BYTES = 4 * 1024 * 1024
+"""Buffers up to this size run the ``chunked`` algorithm as one chunk: two signal rounds in all
+instead of two per :data:`SHM_CHUNK_BYTES`. Every signal round in which the peer is a little
+behind costs a wait, and on 2 cores both ranks are busy anyway, so pipelining buys nothing at
+these sizes. Measured 2026-11-25 (interleaved in one job, load 1.5-2.8): 2 ranks, 2 MiB
+0.13 ms against 0.17-0.22 ms in 1 MiB chunks, 4 MiB 0.35-0.98 ms against 0.47-1.69 ms
+(1.3-1.7x); 3 and 4 ranks at 4 MiB 1.2-1.5x."""
 
 
 def select_shm_allreduce(nbytes: int, size: int,

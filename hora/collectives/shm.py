@@ -49,6 +49,7 @@ from hora.collectives.comm import U8, Fabric
 from hora.collectives.ops import ReduceOp, reduce_inplace, scale_inplace
 from hora.collectives.select import (
     SHM_CHUNK_BYTES,
+    SHM_ONE_CHUNK_BYTES,
     SHM_SMALL_ALLREDUCE_BYTES,
     select_shm_allreduce,
 )
@@ -211,8 +212,8 @@ class ShmGroup:
             elif choice == "replicated":
                 shm_allreduce.replicated(self._fabric, buf, op, parity, src, postscale)
             else:
-                shm_allreduce.chunked(self._fabric, buf, op, parity, SHM_CHUNK_BYTES, src,
-                                      postscale)
+                chunk = buf.nbytes if buf.nbytes <= SHM_ONE_CHUNK_BYTES else SHM_CHUNK_BYTES
+                shm_allreduce.chunked(self._fabric, buf, op, parity, chunk, src, postscale)
 
     # ---- other collectives ---------------------------------------------------------------------
     def allgather(self, sendbuf: Array, counts: Sequence[int], out: Array) -> None:

@@ -22,7 +22,12 @@ import numpy as np
 import pytest
 
 from hora.collectives.ops import ReduceOp, scale_inplace
-from hora.collectives.select import SHM_SMALL_ALLREDUCE_BYTES, select_shm_allreduce
+from hora.collectives.select import (
+    SHM_CHUNK_BYTES,
+    SHM_ONE_CHUNK_BYTES,
+    SHM_SMALL_ALLREDUCE_BYTES,
+    select_shm_allreduce,
+)
 from hora.collectives.shm import ShmGroup
 from hora.errors import HoraTimeoutError, PeerLostError, TransportError
 from hora.transports.loopback import run_world
@@ -84,6 +89,7 @@ def _allreduce(group: ShmGroup, buf: np.ndarray, op: ReduceOp, algo: str) -> np.
 def test_allreduce_matches_numpy_every_dtype_and_op(job_id: str, monkeypatch: Any, algo: str,
                                                     n: int) -> None:
     monkeypatch.setattr("hora.collectives.shm.SHM_CHUNK_BYTES", 64)  # many chunks, odd last one
+    monkeypatch.setattr("hora.collectives.shm.SHM_ONE_CHUNK_BYTES", 0)
     _force(monkeypatch, algo)
     cases = [(d, op, c) for d in DTYPES for op in OPS for c in sizes_for(n)]
     inputs = {case: make_inputs(*case[:2], n, case[2], seed=i) for i, case in enumerate(cases)}
@@ -105,6 +111,7 @@ def test_allreduce_matches_numpy_every_dtype_and_op(job_id: str, monkeypatch: An
 def test_float_results_bitwise_identical_on_every_rank(job_id: str, monkeypatch: Any, algo: str,
                                                        n: int) -> None:
     monkeypatch.setattr("hora.collectives.shm.SHM_CHUNK_BYTES", 1000)
+    monkeypatch.setattr("hora.collectives.shm.SHM_ONE_CHUNK_BYTES", 0)
     _force(monkeypatch, algo)
     rng = np.random.default_rng(n)
     cases: list[tuple[ReduceOp, np.ndarray]] = []
@@ -137,6 +144,7 @@ def test_src_and_postscale_equal_copy_reduce_then_scale(job_id: str, monkeypatch
     """``src=`` (input read from the caller's array, left unchanged) and ``postscale=`` (folded
     into the passes) give the bytes of copying in, reducing, then ``scale_inplace``."""
     monkeypatch.setattr("hora.collectives.shm.SHM_CHUNK_BYTES", 64)
+    monkeypatch.setattr("hora.collectives.shm.SHM_ONE_CHUNK_BYTES", 0)
     _force(monkeypatch, algo)
     cases = [(d, op, c, f) for d in ("float32", "float16", "int32", "bool")
              for op in (ReduceOp.Sum, ReduceOp.Max) for c in (0, 1, 13, 2053)
@@ -251,9 +259,26 @@ def test_staged_prefix_and_caller_may_write_right_after(job_id: str, monkeypatch
         assert sums == [3.0 + 3 * s for s in range(20)]
 
 
-def test_steady_state_allocates_nothing_large(job_id: str,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("hora.collectives.shm.SHM_CHUNK_BYTES", 1 << 20)
+def test_buffers_up_to_one_chunk_limit_take_two_signal_rounds(job_id: str) -> None:
+    """Up to SHM_ONE_CHUNK_BYTES the chunked allreduce runs as one chunk (two signals per
+    rank); one element more and it pipelines SHM_CHUNK_BYTES chunks (two signals per chunk)."""
+    limit = SHM_ONE_CHUNK_BYTES // 4
+
+    def body(group: ShmGroup) -> list[int]:
+        posted = []
+        for count in (limit, limit + 1):
+            buf = np.full(count, group.rank + 1, np.float32)
+            before = group.fabric.posted
+            group.allreduce(buf, ReduceOp.Sum)
+            posted.append((group.fabric.posted - before) & 0xFFFFFFFF)
+            assert buf[0] == buf[-1] == 3.0
+        return posted
+
+    chunks = -(-(limit + 1) * 4 // SHM_CHUNK_BYTES)
+    assert shm_world(2, job_id, body) == [[2, 2 * chunks]] * 2
+
+
+def test_steady_state_allocates_nothing_large(job_id: str) -> None:
     count = 1 << 22  # 16 MiB of float32: sixteen 1 MiB chunks
 
     def body(group: ShmGroup) -> tuple[int, int]:
@@ -355,6 +380,7 @@ def test_random_sequence_of_collectives_keeps_segments_consistent(job_id: str,
     """Alternating kinds and sizes (and empty collectives, which must not flip the parity)
     exercise the two-segment protocol."""
     monkeypatch.setattr("hora.collectives.shm.SHM_CHUNK_BYTES", 4096)
+    monkeypatch.setattr("hora.collectives.shm.SHM_ONE_CHUNK_BYTES", 0)
     n, steps = 3, 120
     rng = np.random.default_rng(7)
     plan = [(rng.choice(["ar", "ag", "bc", "rs", "bar"]),
