@@ -68,9 +68,12 @@ class Plan:
         packed_index = {k: n for n, k in enumerate(self.packed)}
         self._packed_pieces = [(packed_index[where[i][0]], where[i][1])
                                for i in self._packed_leaves]
-        self.owned = len(self.packed) == len(self.layout.groups)
-        """Every buffer is a packed group: :meth:`host_buffers` are private and writable, so
-        the op may reduce them in place."""
+        self.owned = len(self.packed) == len(self.layout.groups) and all(
+            sum(1 for a, b in zip(starts, starts[1:]) if b > a) > 1
+            for starts in self.layout.offsets)
+        """Every buffer is a packed group of two or more non-empty leaves (a concatenation XLA
+        cannot fold into one of the leaves): :meth:`host_buffers` are private and writable,
+        so the op may reduce them in place."""
         self._lock = threading.Lock()
         self._result: list[np.ndarray] = []
         self._pack = jax.jit(self.concatenate)
