@@ -112,7 +112,9 @@ class Plan:
             with self._lock:  # the callback reads the buffers from here (local work only)
                 self._result = list(buffers)
                 try:
-                    pieces = jax.block_until_ready(self._unpack())
+                    pieces = self._unpack()
+                    if pieces:  # one execution: every result is ready with the first
+                        pieces[0].block_until_ready()
                 finally:
                     self._result = []
             for i, piece in zip(self._packed_leaves, pieces):
