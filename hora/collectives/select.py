@@ -116,16 +116,22 @@ float32 allreduce, replicated vs chunked, with other jobs on the 2 cores: 2 rank
 63 us, 256 KiB 64 vs 90 us, 1 MiB 220 vs 266 us; 4 ranks 256 KiB 340 vs 451 us, 1 MiB 1076 vs
 833 us. Above ~256 KiB on more ranks the chunked algorithm's smaller memory traffic wins."""
 
-SHM_CHUNK_BYTES = 1024 * 1024
+SHM_CHUNK_BYTES = 512 * 1024
 """Chunk of the ``chunked`` shared-memory allreduce for buffers over
-:data:`SHM_ONE_CHUNK_BYTES`. Each rank's working set (a few chunks of its buffer and five chunk
-slots of segments) stays in the 2 MiB per-core L2 / shared L3, so data crosses cores through the
-cache; each chunk's two signals (~2-5 us each when both ranks run) stay small next to its
-copy-and-reduce time (~150-300 us). Measured at 16-256 MiB on 2 ranks: best of 0.5-16 MiB
-chunks on an idle machine; with other jobs on the cores 4-16 MiB chunks did up to ~20 % better
-(fewer waits for a descheduled peer), at 4-16x the segment memory. Measured again 2026-11-25
-(1, 2 and 4 MiB chunks interleaved in one job): 16 and 64 MiB 1.3-1.6x faster with 1 MiB
-chunks in a quiet moment, within a few percent of 4 MiB chunks at load 2-3."""
+:data:`SHM_ONE_CHUNK_BYTES` when every rank of the group can have a core. Each rank's working
+set (a few chunks of its buffer and five chunk slots of segments) stays in the 2 MiB per-core
+L2, so data crosses cores through the cache; each chunk's two signals (~2-5 us each when both
+ranks run) stay small next to its copy-and-reduce time. Measured 2026-11-25 on 2 ranks (0.125-1
+MiB chunks interleaved in one job, six runs, load 3.4-4.9): 8 MiB 1.1-1.3x and 16 MiB
+1.1-1.3x faster with 512 KiB than with 1 MiB chunks, 64 MiB 1.1-1.2x in five runs (0.8x in
+one); 256 KiB as good at 8 MiB and worse above, 128 KiB worse everywhere (the signals), and
+4 MiB chunks 1.3-1.6x slower at 16-64 MiB in a quiet moment."""
+
+SHM_CHUNK_BYTES_OVERSUBSCRIBED = 1024 * 1024
+"""The chunk when the group has more ranks than this process may use cores: every signal round
+may then wait for a peer to be scheduled. Measured (as above, 2 runs each): 4 ranks on 2 cores
+64 MiB 1.3-1.4x slower with 512 KiB chunks than with 1 MiB, 3 ranks within 0.94-1.3x either
+way."""
 
 SHM_ONE_CHUNK_BYTES = 4 * 1024 * 1024
 """Buffers up to this size run the ``chunked`` algorithm as one chunk: two signal rounds in all

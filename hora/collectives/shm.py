@@ -35,6 +35,7 @@ from types import TracebackType
 
 import numpy as np
 
+from hora._util.cpus import usable_cpus
 from hora.collectives import shm_allreduce
 from hora.collectives._buffers import (
     Array,
@@ -49,6 +50,7 @@ from hora.collectives.comm import U8, Fabric
 from hora.collectives.ops import ReduceOp, reduce_inplace, scale_inplace
 from hora.collectives.select import (
     SHM_CHUNK_BYTES,
+    SHM_CHUNK_BYTES_OVERSUBSCRIBED,
     SHM_ONE_CHUNK_BYTES,
     SHM_SMALL_ALLREDUCE_BYTES,
     select_shm_allreduce,
@@ -100,6 +102,7 @@ class ShmGroup:
         self._staged: tuple[int, int] | None = None  # (parity, nbytes) handed out by staging()
         self._broken: str | None = None
         self._scratch = np.empty(SHM_SMALL_ALLREDUCE_BYTES, np.uint8)
+        self._cores = usable_cpus()
 
     @property
     def rank(self) -> int:
@@ -212,7 +215,8 @@ class ShmGroup:
             elif choice == "replicated":
                 shm_allreduce.replicated(self._fabric, buf, op, parity, src, postscale)
             else:
-                chunk = buf.nbytes if buf.nbytes <= SHM_ONE_CHUNK_BYTES else SHM_CHUNK_BYTES
+                chunk = (buf.nbytes if buf.nbytes <= SHM_ONE_CHUNK_BYTES else SHM_CHUNK_BYTES
+                         if self.size <= self._cores else SHM_CHUNK_BYTES_OVERSUBSCRIBED)
                 shm_allreduce.chunked(self._fabric, buf, op, parity, chunk, src, postscale)
 
     # ---- other collectives ---------------------------------------------------------------------

@@ -33,6 +33,7 @@ import os
 import secrets
 import time
 
+from hora._util.cpus import usable_cpus
 from hora._util.log import get_logger
 from hora._util.shm_owners import (
     W_PIDNS,
@@ -92,13 +93,6 @@ _READY, _CLOSED = 1, 2
 _KINDS = ("h", "d0", "d1")
 
 
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def _exchange(comm: Comm, record: bytes) -> list[bytes]:
     """Allgather one fixed-size record per rank over ``comm`` (ring of ``sendrecv``)."""
     size, rank = comm.size, comm.rank
@@ -137,7 +131,7 @@ class ShmFabric:
         self._peer_counters = {p: s[0].address + 4 * _W_COUNTER for p, s in peers.items()}
         self._peer_start = {p: self._verifiable_start(h) for p, h in self._peer_headers.items()}
         self._lost_global = getattr(comm, "ranks", None)
-        self._spin = (SPIN_CHECKS if self.size <= _usable_cpus() else SPIN_CHECKS_OVERSUBSCRIBED
+        self._spin = (SPIN_CHECKS if self.size <= usable_cpus() else SPIN_CHECKS_OVERSUBSCRIBED
                       ) if SPIN_ALLOWED else 0
 
     # -- construction --

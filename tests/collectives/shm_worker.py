@@ -44,6 +44,7 @@ def conformance() -> None:
     digest = hashlib.sha256()
     try:
         shm_collectives.SHM_CHUNK_BYTES = 4096  # several chunks for the larger sizes
+        shm_collectives.SHM_CHUNK_BYTES_OVERSUBSCRIBED = 4096
         shm_collectives.SHM_ONE_CHUNK_BYTES = 0
         for i, (dtype, op, count) in enumerate(
                 (d, op, c) for d in DTYPES for op in OPS for c in (0, 1, 7, 2053, 40_000)):

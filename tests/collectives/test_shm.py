@@ -24,6 +24,7 @@ import pytest
 from hora.collectives.ops import ReduceOp, scale_inplace
 from hora.collectives.select import (
     SHM_CHUNK_BYTES,
+    SHM_CHUNK_BYTES_OVERSUBSCRIBED,
     SHM_ONE_CHUNK_BYTES,
     SHM_SMALL_ALLREDUCE_BYTES,
     select_shm_allreduce,
@@ -89,6 +90,7 @@ def _allreduce(group: ShmGroup, buf: np.ndarray, op: ReduceOp, algo: str) -> np.
 def test_allreduce_matches_numpy_every_dtype_and_op(job_id: str, monkeypatch: Any, algo: str,
                                                     n: int) -> None:
     monkeypatch.setattr("hora.collectives.shm.SHM_CHUNK_BYTES", 64)  # many chunks, odd last one
+    monkeypatch.setattr("hora.collectives.shm.SHM_CHUNK_BYTES_OVERSUBSCRIBED", 64)
     monkeypatch.setattr("hora.collectives.shm.SHM_ONE_CHUNK_BYTES", 0)
     _force(monkeypatch, algo)
     cases = [(d, op, c) for d in DTYPES for op in OPS for c in sizes_for(n)]
@@ -111,6 +113,7 @@ def test_allreduce_matches_numpy_every_dtype_and_op(job_id: str, monkeypatch: An
 def test_float_results_bitwise_identical_on_every_rank(job_id: str, monkeypatch: Any, algo: str,
                                                        n: int) -> None:
     monkeypatch.setattr("hora.collectives.shm.SHM_CHUNK_BYTES", 1000)
+    monkeypatch.setattr("hora.collectives.shm.SHM_CHUNK_BYTES_OVERSUBSCRIBED", 1000)
     monkeypatch.setattr("hora.collectives.shm.SHM_ONE_CHUNK_BYTES", 0)
     _force(monkeypatch, algo)
     rng = np.random.default_rng(n)
@@ -144,6 +147,7 @@ def test_src_and_postscale_equal_copy_reduce_then_scale(job_id: str, monkeypatch
     """``src=`` (input read from the caller's array, left unchanged) and ``postscale=`` (folded
     into the passes) give the bytes of copying in, reducing, then ``scale_inplace``."""
     monkeypatch.setattr("hora.collectives.shm.SHM_CHUNK_BYTES", 64)
+    monkeypatch.setattr("hora.collectives.shm.SHM_CHUNK_BYTES_OVERSUBSCRIBED", 64)
     monkeypatch.setattr("hora.collectives.shm.SHM_ONE_CHUNK_BYTES", 0)
     _force(monkeypatch, algo)
     cases = [(d, op, c, f) for d in ("float32", "float16", "int32", "bool")
@@ -259,9 +263,13 @@ def test_staged_prefix_and_caller_may_write_right_after(job_id: str, monkeypatch
         assert sums == [3.0 + 3 * s for s in range(20)]
 
 
-def test_buffers_up_to_one_chunk_limit_take_two_signal_rounds(job_id: str) -> None:
+@pytest.mark.parametrize("cores", [2, 1])
+def test_chunks_by_size_and_by_cores(job_id: str, monkeypatch: pytest.MonkeyPatch,
+                                     cores: int) -> None:
     """Up to SHM_ONE_CHUNK_BYTES the chunked allreduce runs as one chunk (two signals per
-    rank); one element more and it pipelines SHM_CHUNK_BYTES chunks (two signals per chunk)."""
+    rank); one element more and it pipelines chunks, two signals each: SHM_CHUNK_BYTES when
+    every rank has a core, SHM_CHUNK_BYTES_OVERSUBSCRIBED when the 2 ranks share 1."""
+    monkeypatch.setattr("hora.collectives.shm.usable_cpus", lambda: cores)
     limit = SHM_ONE_CHUNK_BYTES // 4
 
     def body(group: ShmGroup) -> list[int]:
@@ -274,11 +282,15 @@ def test_buffers_up_to_one_chunk_limit_take_two_signal_rounds(job_id: str) -> No
             assert buf[0] == buf[-1] == 3.0
         return posted
 
-    chunks = -(-(limit + 1) * 4 // SHM_CHUNK_BYTES)
-    assert shm_world(2, job_id, body) == [[2, 2 * chunks]] * 2
+    chunk = SHM_CHUNK_BYTES if cores >= 2 else SHM_CHUNK_BYTES_OVERSUBSCRIBED
+    assert SHM_CHUNK_BYTES != SHM_CHUNK_BYTES_OVERSUBSCRIBED
+    assert shm_world(2, job_id, body) == [[2, 2 * -(-(limit + 1) * 4 // chunk)]] * 2
 
 
-def test_steady_state_allocates_nothing_large(job_id: str) -> None:
+def test_steady_state_allocates_nothing_large(job_id: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("SHM_CHUNK_BYTES", "SHM_CHUNK_BYTES_OVERSUBSCRIBED"):
+        monkeypatch.setattr(f"hora.collectives.shm.{name}", 1 << 20)
     count = 1 << 22  # 16 MiB of float32: sixteen 1 MiB chunks
 
     def body(group: ShmGroup) -> tuple[int, int]:
@@ -380,6 +392,7 @@ def test_random_sequence_of_collectives_keeps_segments_consistent(job_id: str,
     """Alternating kinds and sizes (and empty collectives, which must not flip the parity)
     exercise the two-segment protocol."""
     monkeypatch.setattr("hora.collectives.shm.SHM_CHUNK_BYTES", 4096)
+    monkeypatch.setattr("hora.collectives.shm.SHM_CHUNK_BYTES_OVERSUBSCRIBED", 4096)
     monkeypatch.setattr("hora.collectives.shm.SHM_ONE_CHUNK_BYTES", 0)
     n, steps = 3, 120
     rng = np.random.default_rng(7)
