@@ -26,7 +26,7 @@ import numpy as np
 
 from hora.collectives.adasum import FLOAT_DTYPES, check_set
 from hora.collectives.ops import ReduceOp, check_dtype, dtype_name
-from hora.core import context
+from hora.core import aligned, context
 from hora.core.entry import Entry
 from hora.core.handle import Handle
 from hora.core.messages import OpKind, Request
@@ -183,7 +183,7 @@ def allreduce_entry(ctx: context.Context, tensor: Any, name: str | None, op: int
         out = work
         finish = _writeback(original, work)
     else:
-        out = output if output is not None else np.empty_like(work)
+        out = output if output is not None else aligned.empty_like(work)
     req = Request(name=_full_name(ctx, prefix, name, set_id), kind=OpKind.ALLREDUCE, rank=ctx.rank,
                   set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape),
                   op=int(op), prescale=float(prescale_factor), postscale=float(postscale_factor),
@@ -229,7 +229,7 @@ def broadcast_async(tensor: Any, root_rank: int, *, name: str | None = None,
     original = tensor
     work = _contiguous(tensor, "broadcast input")
     finish = _writeback(original, work) if inplace and isinstance(original, np.ndarray) else None
-    out = work if inplace else np.empty_like(work)
+    out = work if inplace else aligned.empty_like(work)
     req = Request(name=_full_name(ctx, "broadcast", name, set_id), kind=OpKind.BROADCAST,
                   rank=ctx.rank, set_id=set_id, dtype=check_dtype(work.dtype),
                   shape=list(work.shape), root=int(root_rank), device=device)

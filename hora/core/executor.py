@@ -18,6 +18,7 @@ from hora._util.log import get_logger
 from hora.collectives.comm import Comm, SubComm
 from hora.collectives.ops import ReduceOp, scale_inplace, to_dtype
 from hora.config import Config
+from hora.core import aligned
 from hora.core.entry import Entry
 from hora.core.messages import ERROR_DEADLOCK, ERROR_SHUTDOWN, ERROR_STALL, OpKind, Response
 from hora.core.plane_route import build_plane_route
@@ -246,9 +247,11 @@ class Executor:
                     self._tl.op_end(name, resp.dtype, shape)
                 if entry is not None:
                     if not single:
-                        out = entry.output if entry.output is not None else np.empty(shape, dtype)
-                        out.reshape(-1)[...] = buf[offset:offset + n]
-                        entry.output = out
+                        result = entry.output
+                        if result is None:
+                            result = aligned.empty(shape, dtype)
+                        result.reshape(-1)[...] = buf[offset:offset + n]
+                        entry.output = result
                     _complete(entry, entry.output)
                 offset += n
         except BaseException as exc:
@@ -261,12 +264,12 @@ class Executor:
         x = entry.tensor
         row = int(np.prod(x.shape[1:], dtype=np.int64))
         dims = resp.first_dims[0]
-        out = np.empty((sum(dims),) + tuple(x.shape[1:]), dtype=x.dtype)
+        out = aligned.empty((sum(dims),) + tuple(x.shape[1:]), x.dtype)
         route.allgather(x.reshape(-1), [d * row for d in dims], out.reshape(-1))
         return out
 
     def _broadcast(self, route: Route, resp: Response, entry: Entry) -> np.ndarray:
-        out = entry.output if entry.output is not None else entry.tensor.copy()
+        out = entry.output if entry.output is not None else aligned.empty_like(entry.tensor)
         if out is not entry.tensor:
             np.copyto(out, entry.tensor)
         root = (self._registry.ranks(resp.set_id) or []).index(resp.root)
@@ -282,7 +285,7 @@ class Executor:
         me = comm.rank
         send = [s * row for s in matrix[me]]
         recv_rows = [matrix[j][me] for j in range(comm.size)]
-        out = np.empty((sum(recv_rows),) + tuple(x.shape[1:]), dtype=x.dtype)
+        out = aligned.empty((sum(recv_rows),) + tuple(x.shape[1:]), x.dtype)
         route.alltoall(x.reshape(-1), send, out.reshape(-1), [r * row for r in recv_rows])
         return out, np.asarray(recv_rows, dtype=np.int32)
 
@@ -293,7 +296,7 @@ class Executor:
         row = int(np.prod(x.shape[1:], dtype=np.int64))
         buf = x.reshape(-1).copy()
         scale_inplace(buf, resp.prescale)
-        out = np.empty((rows[comm.rank],) + tuple(x.shape[1:]), dtype=x.dtype)
+        out = aligned.empty((rows[comm.rank],) + tuple(x.shape[1:]), x.dtype)
         route.reducescatter(buf, [r * row for r in rows], _OPS[resp.op], out.reshape(-1),
                             self._scratch_for(buf))
         postscale = resp.postscale / (comm.size if resp.op == ReduceOp.Average else 1)

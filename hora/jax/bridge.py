@@ -25,6 +25,7 @@ buffers; measured in :mod:`hora.jax.host_call`).
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -86,8 +87,25 @@ def to_host(leaf: Any) -> np.ndarray:
     return np.asarray(leaf if isinstance(leaf, jax.Array) else jnp.asarray(leaf))
 
 
+def _adopter() -> Callable[[np.ndarray], jax.Array]:
+    """``jax.device_put(x, may_alias=True)`` where this jax has it, else ``jnp.asarray``
+    (decided from the signature: touching a device here would start JAX's backend at import)."""
+    if "may_alias" not in inspect.signature(jax.device_put).parameters:
+        return jnp.asarray
+
+    def adopt(array: np.ndarray) -> jax.Array:
+        return jax.device_put(array, may_alias=True)
+    return adopt
+
+
+_adopt = _adopter()
+
+
 def to_jax(array: np.ndarray) -> jax.Array:
-    return jnp.asarray(array)
+    """A core result as a ``jax.Array`` of JAX's dtype (as ``jnp.asarray``). On the CPU, XLA
+    adopts the array's memory without a copy when it is 64-byte aligned, which the core's fresh
+    results are (:mod:`hora.core.aligned`); the caller must not write to ``array`` afterwards."""
+    return _adopt(array)
 
 
 def eager_only(what: str, leaves: Sequence[Any]) -> None:

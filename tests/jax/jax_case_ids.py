@@ -13,7 +13,8 @@ REJECTED = {family: ["bool", "int16", "uint32", "complex64"]
             for family in ("allreduce", "grouped_allreduce", "reducescatter")} | {
     family: ["uint32", "complex64"] for family in ("allgather", "broadcast", "alltoall")}
 JAX_ONLY = [
-    "tree-ops", "tree-async", "metrics-dict", "tree-packed", "pure-callback-fallback",
+    "results-adopted", "tree-ops", "tree-async", "metrics-dict", "tree-packed",
+    "pure-callback-fallback",
     "jit-ops", "jit-steady-names", "vmap",
     "grad-allreduce", "grad-allreduce-tree", "grad-allgather", "grad-broadcast",
     "grad-reducescatter", "grad-alltoall", "grad-eager-equals-jit", "optimizer-identical",

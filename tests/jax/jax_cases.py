@@ -414,8 +414,29 @@ def traced_errors(hvd: Any) -> None:
     _expect(lambda: hvd.allgather(jnp.float32(1.0)), r"0-d arrays")
 
 
+def results_adopted(hvd: Any) -> None:
+    """Eager results are the core's 64-byte-aligned arrays, adopted by XLA without a copy, and
+    each call's result stays its own (a later call does not write into an earlier result)."""
+    from hora.core import aligned
+    from hora.core.api import allreduce_async
+    from hora.jax.bridge import to_jax
+
+    r, n = hvd.rank(), hvd.size()
+    host = allreduce_async(_x(r, (16384,)), name="adopted.core").wait()
+    assert host.ctypes.data % aligned.ALIGN == 0, "core result not 64-byte aligned"
+    adopted = to_jax(host)
+    assert adopted.unsafe_buffer_pointer() == host.ctypes.data, "result copied, not adopted"
+    first = hvd.allreduce(jnp.asarray(_x(r, (16384,))), op=hvd.Sum, name="adopted")
+    second = hvd.allreduce(jnp.asarray(_x(r, (16384,), salt=1)), op=hvd.Sum, name="adopted")
+    gathered = hvd.allgather(jnp.asarray(_x(r, (64, 8))), name="adopted.gather")
+    _eq([first, second, gathered],
+        [sum(_all(lambda q: _x(q, (16384,)), n)), sum(_all(lambda q: _x(q, (16384,), 1), n)),
+         np.concatenate(_all(lambda q: _x(q, (64, 8)), n))], "adopted results")
+
+
 CASES = {
-    "tree-ops": tree_ops, "tree-async": tree_async, "metrics-dict": metrics_dict,
+    "results-adopted": results_adopted, "tree-ops": tree_ops, "tree-async": tree_async,
+    "metrics-dict": metrics_dict,
     "tree-packed": tree_packed, "pure-callback-fallback": pure_callback_fallback,
     "jit-ops": jit_ops, "jit-steady-names": jit_steady_names,
     "vmap": vmap_case,
