@@ -3,6 +3,7 @@
     python benchmarks/keras_step.py                     # 2 ranks, MLP 784-1024-1024-10
     python benchmarks/keras_step.py --rounds 9 --steps 30
     python benchmarks/keras_step.py --rounds 1 --steps 3 --hidden 64    # smoke test
+    python benchmarks/keras_step.py --rounds 9 --breakdown  # + where hora's host call spends
     hora run -np 2 python benchmarks/keras_step.py --worker   # what the first line launches
 
 The same 2 processes (started by ``hora run -np 2``, one TensorFlow thread each) train three
@@ -28,6 +29,12 @@ first step absorbs the ranks' drift from the previous phase: an unsynchronized v
 rank run ahead, and a synchronized one then starts by waiting for the other). Ratios are of the
 medians, and the median of the per-round ratios (robust to the machine's load drifting during
 the run).
+
+``--breakdown`` also times hora's host call (the allreduce of a step's gradients, inside the
+compiled step) on both ranks during the measured hora phases: its duration on rank 0, how long
+the earlier rank waited for the later one to enter it, and the time from the later entry to the
+first exit (the collectives themselves). ``time.perf_counter`` is one clock for every process
+of a host, so the ranks' stamps compare directly.
 """
 
 from __future__ import annotations
@@ -148,12 +155,29 @@ def worker(args: argparse.Namespace) -> None:
         models[variant] = model
 
     lane_ops = [0, 0]  # hora's allreduces during the measured rounds: through the lane, in all
+    calls: list[tuple[float, float]] = []  # --breakdown: hora's host calls, (entry, exit)
+    timing = [False]
+    if args.breakdown:
+        from hora.tensorflow.gradients import GradientReducer
+
+        reduce_all = GradientReducer._singles
+
+        def timed(self: Any, arrays: Any, names: list[str]) -> Any:
+            start = time.perf_counter()
+            out = reduce_all(self, arrays, names)
+            if timing[0]:
+                calls.append((start, time.perf_counter()))
+            return out
+        GradientReducer._singles = timed  # type: ignore[method-assign]
 
     def run(variant: str, steps: int, count: bool = False) -> float:
         """Seconds per step from the end of the first step to the end of the last."""
         lane = context.get().engine.lane(0)
         before = lane.describe() if lane is not None else None
+        timing[0], first = count and variant == "hora", len(calls)
         times = runs[variant](steps)
+        timing[0] = False
+        del calls[first:first + 1]  # the phase's first step (untimed below too)
         if count and variant == "hora" and lane is not None and before is not None:
             after = lane.describe()
             lane_ops[0] += after["fast_ops"] - before["fast_ops"]
@@ -172,10 +196,13 @@ def worker(args: argparse.Namespace) -> None:
     weights = {v: float(sum(np.abs(w.numpy()).sum() for w in models[v].weights))
                for v in ("hora", "mwms")}
     everyone = hvd.allgather_object(weights)
+    stamps = hvd.allgather_object(calls) if args.breakdown else []
     if rank == 0:
         _report(args, size, models["hora"].count_params(), rates, everyone, load)
         print(f"hora's gradient allreduces through the fast lane: {lane_ops[0]} of "
               f"{lane_ops[1]} (the others were negotiated with rank 0)", flush=True)
+        if stamps:
+            _breakdown(stamps)
     hvd.shutdown()
 
 
@@ -208,6 +235,23 @@ def _report(args: argparse.Namespace, size: int, n_params: int,
           + ", ".join(f"{v} {'yes' if ok else 'NO'}" for v, ok in same.items()), flush=True)
 
 
+def _breakdown(stamps: list[list[tuple[float, float]]]) -> None:
+    """Print ``--breakdown``'s figures from every rank's (entry, exit) stamps of the same calls."""
+    steps = list(zip(*stamps))  # one tuple of (entry, exit) per rank for each host call
+
+    def line(what: str, ms: list[float]) -> str:
+        q = statistics.quantiles(ms, n=10) if len(ms) > 1 else ms * 9
+        return (f"  {what:<44} median {statistics.median(ms):6.2f}  p10 {q[0]:6.2f}  "
+                f"p90 {q[-1]:6.2f}  mean {statistics.mean(ms):6.2f}")
+
+    print(f"\nhora's host call per step, ms ({len(steps)} steps):")
+    print(line("duration on rank 0", [1e3 * (s[0][1] - s[0][0]) for s in steps]))
+    print(line("the earlier rank waits for the later one", [
+        1e3 * (max(e for e, _ in s) - min(e for e, _ in s)) for s in steps]))
+    print(line("from the later entry to the first exit", [
+        1e3 * (min(x for _, x in s) - max(e for e, _ in s)) for s in steps]), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--np", type=int, default=2)
@@ -216,6 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20, help="steps per variant per round")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time hora's host call on both ranks (see the docstring)")
     parser.add_argument("--worker", action="store_true",
                         help="run as one rank (under hora run) instead of launching")
     args = parser.parse_args(argv)
