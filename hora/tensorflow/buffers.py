@@ -3,9 +3,9 @@
 A ``tf.numpy_function`` hands its inputs to Python as arrays aliasing the tensors' memory, and
 turns each returned array into a tensor **without a copy when the array's data is aligned to
 64 bytes** (TensorFlow's allocator alignment, ``EIGEN_MAX_ALIGN_BYTES`` of its CPU builds);
-otherwise it allocates a tensor and copies. numpy aligns its allocations to 16 bytes only, so
-the core's results (``np.empty_like``) cost the graph one more copy of every gradient, and one
-more fresh allocation, per step. :func:`aligned_empty` gives arrays TensorFlow can adopt.
+otherwise it allocates a tensor and copies. numpy aligns its allocations to 16 bytes only;
+:mod:`hora.core.aligned` gives arrays TensorFlow can adopt (the core's own fresh results are
+such arrays too), and the pool below also saves a fresh allocation of every gradient per step.
 
 A tensor that adopted an array keeps a reference to it until the tensor's memory is freed (the
 reference is dropped from Python, via TensorFlow's delayed-decref cache). So an array whose only
@@ -17,15 +17,13 @@ pooled array is still held (a caller who keeps the gradients keeps them intact).
 
 from __future__ import annotations
 
-import math
 import sys
 import threading
 from typing import Any
 
 import numpy as np
 
-ALIGN = 64
-"""Bytes: TensorFlow adopts a returned array without a copy when its data is this aligned."""
+from hora.core import aligned
 
 DEPTH = 2
 """Arrays kept per name. One is normally enough (Keras ``fit``: TensorFlow has let go of a
@@ -33,20 +31,12 @@ step's results before the next step's host call); two when its release of them i
 then (a bare ``tf.function``). Results held longer get new arrays, which are not kept."""
 
 
-def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """An uninitialized C-contiguous array of ``shape`` and ``dtype`` whose data address is a
-    multiple of :data:`ALIGN` (a view into a slightly larger byte buffer)."""
-    return _allocate(shape, dtype)[0]
-
-
 def _allocate(shape: tuple[int, ...], dtype: Any) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`aligned_empty`'s array and the byte buffer it views (its ``base``)."""
-    dt = np.dtype(dtype)
-    nbytes = math.prod(shape) * dt.itemsize
-    raw = np.empty(nbytes + ALIGN, np.uint8)
-    start = -raw.ctypes.data % ALIGN
-    out: np.ndarray = raw[start:start + nbytes].view(dt).reshape(shape)
-    return out, raw
+    """An aligned array (:func:`hora.core.aligned.empty`) and the byte buffer it views."""
+    out = aligned.empty(shape, dtype)
+    base = out.base
+    assert isinstance(base, np.ndarray)
+    return out, base
 
 
 class OutputPool:
@@ -92,4 +82,4 @@ class OutputPool:
             self._arrays.clear()
 
 
-__all__ = ["ALIGN", "DEPTH", "OutputPool", "aligned_empty"]
+__all__ = ["DEPTH", "OutputPool"]
