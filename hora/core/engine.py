@@ -386,7 +386,8 @@ class Engine:
         if self._responses.executing and not remote:
             # A data-plane error may only be an echo (a peer that failed first shut its data
             # down): add what the other ranks report, so the message names the root cause.
-            others = self._liveness.gather_abort_reasons(ABORT_GATHER_SECONDS)
+            others = self._liveness.gather_abort_reasons(
+                ABORT_GATHER_SECONDS, exc.peer if isinstance(exc, PeerLostError) else None)
             if others:
                 error = type(error)(f"{error}; other ranks report: {' | '.join(others)}")
         if self._error is None:
@@ -397,6 +398,7 @@ class Engine:
 
     def _fail_all(self, error: HoraInternalError) -> None:
         self._drained = True  # before draining: see _enqueue
+        self._executor.fail_unfinished(error)  # a failed collective's ops: the merged error
         while self._queue:
             entry = self._queue.popleft()
             self._pending.setdefault(entry.request.set_id, {})[entry.request.name] = entry

@@ -26,6 +26,7 @@ from hora.core.process_set import Registry
 from hora.core.routing import Route, build_route, close_quietly
 from hora.errors import (
     DeadlockError,
+    HoraError,
     HoraInternalError,
     HoraTimeoutError,
     MismatchError,
@@ -70,6 +71,10 @@ class Executor:
         self._routes: dict[int, Route] = {}
         self._fusion = np.empty(0, dtype=np.uint8)
         self._scratch = np.empty(0, dtype=np.uint8)
+        self.unfinished: list[Entry] = []
+        """Ops of a collective that failed: the engine fails them (:meth:`fail_unfinished`) with
+        the job's error once it has heard the other ranks' reasons, since a connection lost here
+        is often only the echo of another rank's failure (its waiters wait until then)."""
         # rank 0 with autotune on: sees each allreduce and allgather it runs (the score)
         self.observe: Callable[[Response], None] | None = None
         # sees each allreduce and allgather response before it runs (the fast lane learns them)
@@ -138,6 +143,13 @@ class Executor:
         for set_id in list(self._routes):
             self.forget_set(set_id)
 
+    def fail_unfinished(self, error: BaseException) -> None:
+        """Fail every op in :attr:`unfinished` with ``error`` (a fresh copy each)."""
+        entries, self.unfinished = self.unfinished, []
+        for entry in entries:
+            entry.handle.set_error(type(error)(str(error)) if isinstance(error, HoraError)
+                                   else error)
+
     def execute(self, resp: Response, entries: dict[str, Entry]) -> None:
         """Run ``resp``; ``entries`` are this rank's local ops by name (popped when done)."""
         kind = resp.kind
@@ -176,7 +188,7 @@ class Executor:
                       OpKind.REDUCESCATTER: self._reducescatter}[kind](route, resp, entry)
         except BaseException as exc:
             tl.error(resp.names[0], str(exc))
-            entry.handle.set_error(exc)
+            self.unfinished.append(entry)  # the caller aborts the job, then fails it
             raise
         tl.op_end(resp.names[0], resp.dtype, resp.shapes[0] if resp.shapes else ())
         _complete(entry, result)
@@ -254,10 +266,8 @@ class Executor:
                         entry.output = result
                     _complete(entry, entry.output)
                 offset += n
-        except BaseException as exc:
-            for entry in local:
-                if entry is not None:
-                    entry.handle.set_error(exc)
+        except BaseException:
+            self.unfinished.extend(e for e in local if e is not None)  # see execute()
             raise
 
     def _allgather(self, route: Route, resp: Response, entry: Entry) -> np.ndarray:

@@ -285,6 +285,9 @@ class FastLane:
         end = None if timeout is None else time.monotonic() + timeout
         if not self._drive_lock.acquire(timeout=-1 if timeout is None else timeout):
             return
+        if self._stop or self._error is not None:  # failed or stopped (its boards may be gone):
+            self._drive_lock.release()  # the engine completes the ops; the caller waits for that
+            return
         boards = self._boards
         boards.set_driving(True)  # rings now wake this thread, not the lane thread
         seen = boards.doorbell()
@@ -374,10 +377,10 @@ class FastLane:
             else:  # allgathers: one collective each
                 for resp, entry in zip(responses, entries):
                     self._executor.execute(resp, {entry.request.name: entry})
-        except BaseException as exc:
-            for entry in entries:  # (the executor failed the op it ran; these never ran)
-                entry.handle.set_error(exc if isinstance(exc, HoraError)
-                                       else HoraInternalError(f"fast lane failed: {exc!r}"))
+        except BaseException:
+            # Failed with the job's error once the engine has heard every rank's reason
+            # (abort(), from the engine's stop_all): this error may be another rank's echo.
+            self._executor.unfinished.extend(entries)
             raise
         finally:
             self._running = []
@@ -402,8 +405,13 @@ class FastLane:
             return  # stopping: the engine fails what is left
         error = exc if isinstance(exc, HoraError) else HoraInternalError(
             f"fast lane failed: {exc!r}")
-        self.abort(error)
-        self._failed(error)
+        with self._append_lock:  # no more ops in; drivers leave; ops wait for the engine
+            if self._error is None:
+                self._error = error
+            self._closed = self._off = True
+        self._boards.wake_driver()
+        self._boards.ring_lane()
+        self._failed(error)  # the engine aborts the job and calls abort() with its error
 
     def abort(self, error: BaseException, settle: float = 0.0) -> None:
         """Fail every op still in the lane with ``error``; log nothing more. ``settle``: a peer
@@ -423,6 +431,7 @@ class FastLane:
         for entry in entries:
             entry.handle.set_error(type(error)(str(error)) if isinstance(error, HoraError)
                                    else error)
+        self._executor.fail_unfinished(error)
         self._boards.wake_driver()
         self._boards.ring_lane()
 

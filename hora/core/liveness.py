@@ -108,10 +108,12 @@ class Liveness:
             except HoraError:
                 pass
 
-    def gather_abort_reasons(self, seconds: float) -> list[str]:
+    def gather_abort_reasons(self, seconds: float, lost: int | None = None) -> list[str]:
         """Listen up to ``seconds`` for other ranks' abort reasons (a worker stops at rank 0's,
-        which already merged what it knew)."""
+        which already merged what it knew; rank 0 stops once every worker still there, all but
+        the departed and ``lost``, the peer its own error names, has reported)."""
         reasons: list[str] = []
+        expected = set(range(1, self.size)) - self.departed - {lost, self.rank}
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             try:
@@ -126,6 +128,7 @@ class Liveness:
                 continue
             if kind == MSG_ABORT:
                 reasons.append(str(body.get("reason", "")))
-                if self.rank != 0:
+                expected.discard(msg[0])
+                if self.rank != 0 or not expected:
                     break
         return reasons

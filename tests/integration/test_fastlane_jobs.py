@@ -360,7 +360,9 @@ def test_rank_killed_mid_group_fails_the_survivor_fast(tmp_path: Path) -> None:
     out = job.stdout + job.stderr
     assert job.returncode != 0 and not job.lines("NOERR"), out
     errors = job.lines("ERR")
-    assert len(errors) == 1 and errors[0].startswith("ERR rank 0 at 40 "), out
+    # (op 40 itself may complete: rank 1's lane thread can run it before the kill lands)
+    assert len(errors) == 1 and errors[0].startswith(("ERR rank 0 at 40 ",
+                                                      "ERR rank 0 at 41 ")), out
     assert _seconds(errors[0]) < 15 and "rank 1" in errors[0], errors[0]
 
 
