@@ -41,6 +41,10 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 POLL_S = 0.1
 """How often the driver drains the callbacks' queue while it waits."""
 
+WAKE_S = 0.5
+"""The longest single ``ray.wait`` without callbacks: Python runs signal handlers (Ctrl-C,
+pytest-timeout's alarm) only between waits, and an unbounded ``ray.wait`` can miss one."""
+
 
 @dataclass
 class Outcome:
@@ -109,10 +113,10 @@ def gather(refs: Sequence[Any], ranks: Sequence[int], *, callbacks: Callbacks | 
     pending = list(refs)
     deadline: float | None = None
     while pending:
-        timeout: float | None = POLL_S if callbacks is not None else None
+        timeout = POLL_S if callbacks is not None else WAKE_S
         if deadline is not None:
             left = max(0.0, deadline - time.monotonic())
-            timeout = left if timeout is None else min(timeout, left)
+            timeout = min(timeout, left)
         ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
         for ref in ready:
             rank = rank_of[ref]
