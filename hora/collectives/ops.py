@@ -86,19 +86,13 @@ def to_dtype(name: str) -> np.dtype[Any]:
 
 def reduce_inplace(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
     """``dst = op(dst, src)`` element-wise, in place. Adasum is not an element-wise op."""
-    ufunc = _UFUNCS.get(op)  # IntEnum members hash as their int
-    if ufunc is None:
-        raise NotImplementedError(f"{ReduceOp(op).name} is not an element-wise reduction")
-    if dst.dtype == np.bool_ and ufunc is np.add:
-        np.logical_or(dst, src, out=dst)
-    else:
-        ufunc(dst, src, out=dst)
+    reduce_into(dst, dst, src, op)
 
 
 def reduce_into(dst: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp) -> None:
     """``dst = op(a, b)`` element-wise (``a`` may be ``dst``): :func:`reduce_inplace` without
     first copying ``a`` into ``dst``."""
-    ufunc = _UFUNCS.get(op)
+    ufunc = _UFUNCS.get(op)  # IntEnum members hash as their int
     if ufunc is None:
         raise NotImplementedError(f"{ReduceOp(op).name} is not an element-wise reduction")
     if dst.dtype == np.bool_ and ufunc is np.add:
