@@ -8,14 +8,12 @@ member remembers its agreed properties (dtype, shape, op, scale factors) in a nu
 alike. A later op of ``n`` with the same properties (an allgather's first dimension may differ)
 is a *hit*: it needs no negotiation, only agreement on *when* to run it.
 
-**Logs.** Each member owns an append-only log in its shared-memory board (every board word
-is read and written by :class:`~hora.transports.shm_board.LaneBoards`). Every allreduce and
-allgather submitted on the set appends exactly one entry: its slot on a hit, ``MISS`` otherwise
-(the op then takes the negotiated path, as before). So position ``p`` of every member's log is
-that member's ``p``-th such op. A grouped call (``grouped_allreduce``, ``grouped_allgather``, a
-sparse allreduce's two allgathers) appends its members at once, as one *unit*: all hits or all
-misses, made visible to the others in one store; an allgather's entry carries its first
-dimension.
+**Logs.** Each member owns an append-only log in its shared-memory board (board words are read
+and written by :class:`~hora.transports.shm_board.LaneBoards`). Every allreduce and allgather
+submitted on the set appends one entry: its slot on a hit, ``MISS`` otherwise (then negotiated,
+as before), so position ``p`` of every log is that member's ``p``-th such op. A grouped call (a
+grouped op, a sparse allreduce's two allgathers) appends its members as one *unit*: all hits or
+all misses, visible in one store; an allgather's entry carries its first dimension.
 
 **Decisions.** Group rank 0 (the *leader*, :mod:`hora.core.lane_leader`) reads the unit at
 position ``p`` of every log and publishes one decision in its board:
@@ -31,12 +29,11 @@ position ``p`` of every log and publishes one decision in its board:
   completes, the engine starts a fresh lane (a new group, the same slots) on every member.
 
 Every member applies the same decisions in the same order, so an op runs through the lane on
-all members or on none, lane ops run in one order everywhere, and a unit runs whole (split only
-where it exceeds one fused op). The lane has its own shared-memory group and runs on its own
-thread, or on a thread waiting for one of its ops (a handle's ``driver``: a grouped call's handle
-drives its members' lane), which saves two thread hand-offs; so it never waits for the engine
-thread, nor the engine for it: a member blocked in a negotiated op cannot deadlock a lane op,
-whose every member has submitted it.
+all members or on none, in one order everywhere, and a unit runs whole (split only where it
+exceeds one fused op). The lane has its own shared-memory group and runs on its own thread, or
+on a thread waiting for one of its ops (a handle's ``driver``; a grouped call's handle drives
+its members' lane), saving two thread hand-offs; it never waits for the engine thread, nor the
+engine for it: a member blocked in a negotiated op cannot deadlock a lane op.
 
 **Waiting.** Each board has a *doorbell* word: appending rings the leader's, deciding rings
 every member's. A lane thread with nothing to do sleeps on its doorbell (``FUTEX_WAIT``, in slices
@@ -119,14 +116,10 @@ class FastLane:
         if lane_route is None or route.lane_group is None:
             raise ValueError("the route has no lane group")
         fabric = route.lane_group.fabric
-        self.set_id = set_id
-        self._fabric = fabric
-        self._executor = executor
+        self.set_id, self._fabric, self._executor = set_id, fabric, executor
         executor.adopt_route(set_id, lane_route)
-        self._requeue = requeue
-        self._failed = failed
-        self.size = fabric.size
-        self.rank = fabric.rank
+        self._requeue, self._failed = requeue, failed
+        self.size, self.rank = fabric.size, fabric.rank
         self._boards = LaneBoards(fabric)
         # slots: written on the engine thread, read by submitters and the driving thread
         self._cache = SlotCache(set_id, lane_route, config.cache_capacity,
@@ -152,8 +145,7 @@ class FastLane:
         self._error: BaseException | None = None
         # driving (one driver at a time: the lane thread or a waiting user thread)
         self._drive_lock = threading.Lock()
-        self._consumed = 0
-        self._read = 0
+        self._consumed = self._read = 0
         self.thread_ops = 0  # of which the lane thread ran (the rest: waiting callers)
         self.batches = 0  # collectives run
         self.fast_ops = 0  # ops this rank ran through the lane (tests, benchmarks)
@@ -405,17 +397,13 @@ class FastLane:
             return  # stopping: the engine fails what is left
         error = exc if isinstance(exc, HoraError) else HoraInternalError(
             f"fast lane failed: {exc!r}")
-        with self._append_lock:  # no more ops in; drivers leave; ops wait for the engine
-            if self._error is None:
-                self._error = error
-            self._closed = self._off = True
-        self._boards.wake_driver()
-        self._boards.ring_lane()
-        self._failed(error)  # the engine aborts the job and calls abort() with its error
+        self.abort(error, fail_ops=False)  # the ops wait for the job's error: the engine aborts
+        self._failed(error)  # the job, then calls abort() with that error
 
-    def abort(self, error: BaseException, settle: float = 0.0) -> None:
-        """Fail every op still in the lane with ``error``; log nothing more. ``settle``: a peer
-        shut down: a batch running now may end first, within that long (the peer completed it)."""
+    def abort(self, error: BaseException, settle: float = 0.0, fail_ops: bool = True) -> None:
+        """Close the lane, send its drivers away, and fail every op still in it with ``error``
+        (not with ``fail_ops=False``); log nothing more. ``settle``: a peer shut down: a batch
+        running now may end first, within that long (the peer completed it)."""
         if settle:
             self._stop = True  # a driver leaves after its batch (within a doorbell slice)
             if self._drive_lock.acquire(timeout=settle):
@@ -426,12 +414,14 @@ class FastLane:
             self._closed = self._off = True
             # (the batch a driver runs now, too: stop() may close the fabric under it, and its
             # ops must fail with this error, not with what that closing raises there)
-            entries = list(self._entries.values()) + self._running
-            self._entries.clear()
+            entries = list(self._entries.values()) + self._running if fail_ops else []
+            if fail_ops:
+                self._entries.clear()
         for entry in entries:
             entry.handle.set_error(type(error)(str(error)) if isinstance(error, HoraError)
                                    else error)
-        self._executor.fail_unfinished(error)
+        if fail_ops:
+            self._executor.fail_unfinished(error)
         self._boards.wake_driver()
         self._boards.ring_lane()
 
