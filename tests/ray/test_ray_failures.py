@@ -6,6 +6,7 @@ bounded, and the suite-wide guard (tests/conftest.py) checks that no shared memo
 
 from __future__ import annotations
 
+import signal
 import time
 from typing import Any
 
@@ -113,6 +114,9 @@ def test_interrupt_during_run_stops_every_worker(make_executor: Any) -> None:
 
     executor = make_executor(2)
     pids = [r["pid"] for r in executor.run(ray_jobs.identity_and_allreduce)]
+    # Python's own Ctrl-C handler, whatever this process inherited: a shell that starts pytest
+    # in the background (`cmd &`, CI) ignores SIGINT, and interrupt_main() then does nothing.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.0, _thread.interrupt_main)  # Ctrl-C, as the terminal sends it
     timer.start()
     started = time.monotonic()
@@ -121,6 +125,7 @@ def test_interrupt_during_run_stops_every_worker(make_executor: Any) -> None:
             executor.run(ray_jobs.sleep_forever)
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - started < 10
     assert wait_until(lambda: not pids_alive(pids), 10), pids_alive(pids)
     with pytest.raises(RuntimeError, match="interrupt"):
