@@ -147,6 +147,8 @@ class Route:
 
     def _allreduce(self, buf: np.ndarray, op: ReduceOp, scratch: np.ndarray,
                    counts: Sequence[int] | None) -> None:
+        """The paths other than one host's shared memory (which :meth:`allreduce` takes for
+        every element-wise op), and Adasum."""
         if op is ReduceOp.Adasum:
             if self.scheme is DataPath.SHARD and self._local is not None:
                 shard_adasum(self._local, self._cross, buf, hosts=self._hosts, counts=counts)
@@ -160,8 +162,6 @@ class Route:
                                 group.size, buf, counts=counts, barrier=group.barrier)
             else:
                 adasum_allreduce(self.comm, buf, counts=counts)
-        elif self.group is not None and self._shm_fits(buf.nbytes):
-            self.group.allreduce(buf, op)
         elif self.scheme is DataPath.SHARD and self._local is not None:
             hierarchical_allreduce(self._local, self._cross, buf, op, scratch=scratch)
         elif self.scheme is DataPath.LEADER and self._local is not None:
