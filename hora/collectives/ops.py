@@ -101,26 +101,38 @@ def reduce_into(dst: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp) -> 
         ufunc(a, b, out=dst)
 
 
-def scale_inplace(buf: np.ndarray, factor: float) -> None:
-    """Multiply ``buf`` by ``factor`` in place, with Horovod's arithmetic.
+def scale_mode(dtype: np.dtype[Any]) -> str:
+    """How a buffer of ``dtype`` is multiplied by a scale factor, with Horovod's arithmetic (the
+    one rule; :func:`scale_inplace` applies it to numpy buffers, an adapter's device buffers
+    apply it with the framework's kernels, :mod:`hora.core.device`):
 
-    * integers: in float64, cast back (truncating toward zero): an integer Average is
-      ``int(sum * (1/n))``;
-    * float16 and bfloat16: in float32, rounded back once (Horovod's CPU kernels; multiplying by
-      a factor first rounded to 16 bits would lose the factor's precision);
-    * other floats: in their own dtype (the factor rounded to it);
-    * bool: only a zero factor changes anything.
+    * ``"int"`` (integers): in float64, cast back (truncating toward zero): an integer Average
+      is ``int(sum * (1/n))``;
+    * ``"wide"`` (float16 and bfloat16): in float32, rounded back once (Horovod's CPU kernels;
+      multiplying by a factor first rounded to 16 bits would lose the factor's precision);
+    * ``"own"`` (other floats): in their own dtype (the factor rounded to it);
+    * ``"bool"``: only a zero factor changes anything (to all False).
     """
+    kind = dtype.kind
+    if kind in "iu":
+        return "int"
+    if kind == "b":
+        return "bool"
+    return "wide" if dtype.itemsize == 2 else "own"
+
+
+def scale_inplace(buf: np.ndarray, factor: float) -> None:
+    """Multiply ``buf`` by ``factor`` in place, with Horovod's arithmetic (:func:`scale_mode`)."""
     if factor == 1.0 or buf.size == 0:
         return
-    kind = buf.dtype.kind
-    if kind in "iu":
+    mode = scale_mode(buf.dtype)
+    if mode == "int":
         scaled = np.trunc(buf.astype(np.float64) * factor)
         np.copyto(buf, scaled, casting="unsafe")
-    elif kind == "b":
+    elif mode == "bool":
         if factor == 0:
             buf[...] = False
-    elif buf.dtype.itemsize == 2:  # float16, bfloat16
+    elif mode == "wide":
         wide = buf.astype(np.float32)
         np.multiply(wide, np.float32(factor), out=wide)
         np.copyto(buf, wide, casting="unsafe")

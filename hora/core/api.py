@@ -18,6 +18,7 @@ Contract shared by every collective:
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,7 +28,8 @@ import numpy as np
 from hora.collectives.adasum import FLOAT_DTYPES, check_set
 from hora.collectives.ops import ReduceOp, check_dtype, dtype_name
 from hora.core import aligned, context
-from hora.core.entry import Entry
+from hora.core.device import DeviceBuffer
+from hora.core.entry import Buffer, Entry
 from hora.core.handle import Handle
 from hora.core.messages import OpKind, Request
 from hora.core.process_set import ProcessSet, global_process_set
@@ -71,7 +73,8 @@ def _set_ranks(ctx: context.Context, process_set: ProcessSet) -> tuple[int, tupl
 
 
 def _check_adasum(tensor: Any, ranks: Sequence[int]) -> None:
-    dtype = dtype_name(np.asarray(tensor).dtype)
+    dtype = dtype_name(tensor.dtype if isinstance(tensor, DeviceBuffer)
+                       else np.asarray(tensor).dtype)
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"Adasum reduces floating-point tensors ({', '.join(FLOAT_DTYPES)}), "
                          f"not {dtype}.")
@@ -109,28 +112,46 @@ def _full_name(ctx: context.Context, prefix: str, name: str | None, set_id: int)
     return ctx.engine.names.name(prefix, name, set_id)
 
 
-def _contiguous(tensor: Any, what: str) -> np.ndarray:
+def _contiguous(tensor: Any, what: str) -> Buffer:
+    """``tensor`` as a contiguous host array, or as it is when it is a device buffer (an
+    adapter makes those contiguous)."""
+    if isinstance(tensor, DeviceBuffer):
+        check_dtype(tensor.dtype, what)
+        return tensor
     arr = np.asarray(tensor)
     check_dtype(arr.dtype, what)
     # not np.ascontiguousarray: it turns a 0-d array into shape (1,)
     return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
 
 
-def _entry(request: Request, tensor: np.ndarray, output: np.ndarray | None,
+def _empty_like(work: Buffer) -> Buffer:
+    """A new result buffer shaped like ``work``, where ``work`` lives."""
+    return work.empty(work.shape) if isinstance(work, DeviceBuffer) else aligned.empty_like(work)
+
+
+def _first_rows(work: Buffer, rows: int) -> Buffer:
+    """The first ``rows`` rows of ``work`` (a view)."""
+    if isinstance(work, DeviceBuffer):
+        tail = work.shape[1:]
+        return work.part(0, rows * math.prod(tail)).view((rows, *tail))
+    return work[:rows]
+
+
+def _entry(request: Request, tensor: Buffer, output: Buffer | None,
            finish: Callable[[Any], Any] | None = None, sync: bool = False) -> Entry:
     return Entry(request=request, tensor=tensor, output=output,
                  handle=Handle(request.name, request.set_id), finish=finish, sync=sync)
 
 
-def _submit(ctx: context.Context, request: Request, tensor: np.ndarray,
-            output: np.ndarray | None, finish: Callable[[Any], Any] | None = None,
+def _submit(ctx: context.Context, request: Request, tensor: Buffer,
+            output: Buffer | None, finish: Callable[[Any], Any] | None = None,
             sync: bool = False) -> Handle:
     entry = _entry(request, tensor, output, finish, sync)
     ctx.engine.submit(entry)
     return entry.handle
 
 
-def _writeback(target: np.ndarray, work: np.ndarray) -> Callable[[Any], Any] | None:
+def _writeback(target: np.ndarray, work: Buffer) -> Callable[[Any], Any] | None:
     """When ``work`` is a contiguous copy of a non-contiguous in-place target, copy back."""
     if work is target:
         return None
@@ -177,13 +198,17 @@ def allreduce_entry(ctx: context.Context, tensor: Any, name: str | None, op: int
     original = tensor
     work = _contiguous(tensor, "allreduce input")
     finish = None
+    out: Buffer
     if inplace:
-        if not isinstance(original, np.ndarray):
+        if isinstance(original, DeviceBuffer):  # contiguous: the result lands in it
+            out = work
+        elif not isinstance(original, np.ndarray):
             raise TypeError("in-place allreduce needs a numpy array")
-        out = work
-        finish = _writeback(original, work)
+        else:
+            out = work
+            finish = _writeback(original, work)
     else:
-        out = output if output is not None else aligned.empty_like(work)
+        out = output if output is not None else _empty_like(work)
     req = Request(name=_full_name(ctx, prefix, name, set_id), kind=OpKind.ALLREDUCE, rank=ctx.rank,
                   set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape),
                   op=int(op), prescale=float(prescale_factor), postscale=float(postscale_factor),
@@ -229,7 +254,7 @@ def broadcast_async(tensor: Any, root_rank: int, *, name: str | None = None,
     original = tensor
     work = _contiguous(tensor, "broadcast input")
     finish = _writeback(original, work) if inplace and isinstance(original, np.ndarray) else None
-    out = work if inplace else aligned.empty_like(work)
+    out = work if inplace else _empty_like(work)
     req = Request(name=_full_name(ctx, "broadcast", name, set_id), kind=OpKind.BROADCAST,
                   rank=ctx.rank, set_id=set_id, dtype=check_dtype(work.dtype),
                   shape=list(work.shape), root=int(root_rank), device=device)
@@ -264,7 +289,7 @@ def alltoall_async(tensor: Any, splits: Sequence[int] | None = None, *, name: st
             raise ValueError(f"alltoall splits sum to {sum(split_list)}, more than the first "
                              f"dimension {work.shape[0]}")
         if sum(split_list) < work.shape[0]:
-            work = work[:sum(split_list)]
+            work = _first_rows(work, sum(split_list))
     req = Request(name=_full_name(ctx, "alltoall", name, set_id), kind=OpKind.ALLTOALL,
                   rank=ctx.rank, set_id=set_id, dtype=check_dtype(work.dtype),
                   shape=list(work.shape), splits=split_list, device=device)

@@ -21,7 +21,7 @@ from hora._util import log as hlog
 from hora._util.lifetime import die_with_parent
 from hora._util.net import interface_address, is_loopback, route_source
 from hora.config import Config
-from hora.core import affinity
+from hora.core import affinity, device
 from hora.core import process_set as process_set_mod
 from hora.core.engine import Engine
 from hora.core.handle import HandleTable
@@ -165,6 +165,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
             closers=closers,
         )
         _dynamic = dynamic
+        device.configure(config.data_plane)  # adapters hand over device buffers from now on
         if dynamic:
             os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
         engine.start(cpu_core=core)
@@ -250,6 +251,7 @@ def shutdown() -> None:
         ctx, _ctx = _ctx, None
         if ctx is None:
             return
+        device.configure("builtin")
         try:
             ctx.engine.stop()
         finally:

@@ -18,10 +18,11 @@ from hora._util.log import get_logger
 from hora.collectives.comm import Comm, SubComm
 from hora.collectives.ops import ReduceOp, scale_inplace, to_dtype
 from hora.config import Config
-from hora.core import aligned
-from hora.core.entry import Entry
+from hora.core import aligned, device_exec
+from hora.core.device import holds_device, stage
+from hora.core.entry import Buffer, Entry
 from hora.core.messages import ERROR_DEADLOCK, ERROR_SHUTDOWN, ERROR_STALL, OpKind, Response
-from hora.core.plane_route import build_plane_route
+from hora.core.plane_route import PlaneRoute, build_plane_route
 from hora.core.process_set import Registry
 from hora.core.routing import Route, build_route, close_quietly
 from hora.errors import (
@@ -216,16 +217,22 @@ class Executor:
             single = len(resp.names) == 1 and not resp.joined
             if single and (local[0] is None or local[0].output is None):
                 raise MismatchError(f"allreduce '{resp.names[0]}' has no output on this rank")
+            plane = self._on_device(route, local)
+            like = device_exec.template(resp, local) if plane is not None else None
+            if plane is not None and like is not None:  # on the device (the torch plane)
+                device_exec.allreduce(plane, resp, local, like,
+                                      self._scratch_for(total * dtype.itemsize), self._done)
+                return
             src = None  # the input, when the collective reads it from there (no copy in)
             if single:
                 entry = local[0]
                 assert entry is not None and entry.output is not None
-                out = entry.output
-                if out is not entry.tensor:
-                    if resp.prescale == 1.0 and not np.may_share_memory(out, entry.tensor):
-                        src = entry.tensor.reshape(-1)
+                out, x = _host(entry.output), _host(entry.tensor)
+                if out is not x:
+                    if resp.prescale == 1.0 and not np.may_share_memory(out, x):
+                        src = x.reshape(-1)
                     else:
-                        np.copyto(out, entry.tensor)
+                        np.copyto(out, x)
                 buf = out.reshape(-1)
             else:
                 self._tl.activity_start_all(resp.names, MEMCPY_IN_FUSION_BUFFER)
@@ -238,7 +245,7 @@ class Executor:
                     if entry is None:  # this rank joined: contribute zeros
                         buf[offset:offset + n] = 0
                     else:
-                        buf[offset:offset + n] = entry.tensor.reshape(-1)
+                        buf[offset:offset + n] = _host(entry.tensor).reshape(-1)
                     offset += n
             postscale = resp.postscale
             if resp.op == ReduceOp.Average:
@@ -248,7 +255,7 @@ class Executor:
             if recording:
                 self._tl.activity_start_all(resp.names,
                                             collective_activity(route.name, resp.kind))
-            route.allreduce(buf, _OPS[resp.op], self._scratch_for(buf),  # Adasum: per tensor
+            route.allreduce(buf, _OPS[resp.op], self._scratch_for(buf.nbytes),  # Adasum: each
                             counts=sizes if resp.op == ReduceOp.Adasum and not single else None,
                             src=src, postscale=postscale)
             if not single and recording:
@@ -259,9 +266,8 @@ class Executor:
                     self._tl.op_end(name, resp.dtype, shape)
                 if entry is not None:
                     if not single:
-                        result = entry.output
-                        if result is None:
-                            result = aligned.empty(shape, dtype)
+                        result = (_host(entry.output) if entry.output is not None
+                                  else aligned.empty(shape, dtype))
                         result.reshape(-1)[...] = buf[offset:offset + n]
                         entry.output = result
                     _complete(entry, entry.output)
@@ -270,26 +276,36 @@ class Executor:
             self.unfinished.extend(e for e in local if e is not None)  # see execute()
             raise
 
-    def _allgather(self, route: Route, resp: Response, entry: Entry) -> np.ndarray:
-        x = entry.tensor
+    def _allgather(self, route: Route, resp: Response, entry: Entry) -> Buffer:
+        plane = self._on_device(route, [entry])
+        if plane is not None:
+            return device_exec.allgather(plane, resp, entry)
+        x = _host(entry.tensor)
         row = int(np.prod(x.shape[1:], dtype=np.int64))
         dims = resp.first_dims[0]
         out = aligned.empty((sum(dims),) + tuple(x.shape[1:]), x.dtype)
         route.allgather(x.reshape(-1), [d * row for d in dims], out.reshape(-1))
         return out
 
-    def _broadcast(self, route: Route, resp: Response, entry: Entry) -> np.ndarray:
-        out = entry.output if entry.output is not None else aligned.empty_like(entry.tensor)
-        if out is not entry.tensor:
-            np.copyto(out, entry.tensor)
+    def _broadcast(self, route: Route, resp: Response, entry: Entry) -> Buffer:
         root = (self._registry.ranks(resp.set_id) or []).index(resp.root)
+        plane = self._on_device(route, [entry])
+        if plane is not None:
+            return device_exec.broadcast(plane, root, entry)
+        x = _host(entry.tensor)
+        out = _host(entry.output) if entry.output is not None else aligned.empty_like(x)
+        if out is not x:
+            np.copyto(out, x)
         route.broadcast(out.reshape(-1), root)
         return out
 
     def _alltoall(self, route: Route, resp: Response,
-                  entry: Entry) -> tuple[np.ndarray, np.ndarray]:
+                  entry: Entry) -> tuple[Buffer, np.ndarray]:
+        plane = self._on_device(route, [entry])
+        if plane is not None:
+            return device_exec.alltoall(plane, resp, entry)
         comm = route.comm
-        x = entry.tensor
+        x = _host(entry.tensor)
         row = int(np.prod(x.shape[1:], dtype=np.int64))
         matrix = resp.splits[0]
         me = comm.rank
@@ -299,16 +315,20 @@ class Executor:
         route.alltoall(x.reshape(-1), send, out.reshape(-1), [r * row for r in recv_rows])
         return out, np.asarray(recv_rows, dtype=np.int32)
 
-    def _reducescatter(self, route: Route, resp: Response, entry: Entry) -> np.ndarray:
+    def _reducescatter(self, route: Route, resp: Response, entry: Entry) -> Buffer:
         comm = route.comm
-        x = entry.tensor
-        rows = reducescatter_rows(x.shape[0], comm.size)
+        rows = reducescatter_rows(entry.tensor.shape[0], comm.size)
+        plane = self._on_device(route, [entry])
+        if plane is not None:
+            return device_exec.reducescatter(plane, resp, entry, rows,
+                                             self._scratch_for(entry.tensor.nbytes))
+        x = _host(entry.tensor)
         row = int(np.prod(x.shape[1:], dtype=np.int64))
         buf = x.reshape(-1).copy()
         scale_inplace(buf, resp.prescale)
         out = aligned.empty((rows[comm.rank],) + tuple(x.shape[1:]), x.dtype)
         route.reducescatter(buf, [r * row for r in rows], _OPS[resp.op], out.reshape(-1),
-                            self._scratch_for(buf))
+                            self._scratch_for(buf.nbytes))
         postscale = resp.postscale / (comm.size if resp.op == ReduceOp.Average else 1)
         scale_inplace(out, postscale)
         return out
@@ -320,14 +340,43 @@ class Executor:
             self._fusion = np.empty(max(nbytes, 2 * self._fusion.nbytes), dtype=np.uint8)
         return self._fusion[:nbytes].view(dtype)
 
-    def _scratch_for(self, buf: np.ndarray) -> np.ndarray:
+    def _scratch_for(self, nbytes: int) -> np.ndarray:
         # Enough for one ring chunk (or the whole buffer for star/small algorithms).
-        if self._scratch.nbytes < buf.nbytes:
-            self._scratch = np.empty(max(buf.nbytes, 4096), dtype=np.uint8)
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(max(nbytes, 4096), dtype=np.uint8)
         return self._scratch
+
+    # ---- device buffers (hora.core.device) -------------------------------------------------
+    def _on_device(self, route: Route, local: list[Entry | None]) -> PlaneRoute | None:
+        """The plane route when this rank's ops of a response all hold device buffers and the
+        route takes them as they are (the device forms, :mod:`hora.core.device_exec`, run);
+        otherwise None, after staging any device buffer through host memory (the host forms
+        run). Host arrays alone: None at once (no job on the builtin plane has device
+        buffers: adapters make them only for a plane that takes them)."""
+        if self._config.data_plane == "builtin":
+            return None
+        if isinstance(route, PlaneRoute) and route.native and all(
+                e is None or holds_device(e) for e in local):
+            return route
+        for e in local:
+            if e is not None and holds_device(e):
+                stage(e)
+        return None
+
+    def _done(self, entry: Entry, result: Any) -> None:
+        """A device form's op completed (its timeline mark, then its handle)."""
+        if self._tl.recording:
+            self._tl.op_end(entry.request.name, entry.request.dtype, entry.request.shape)
+        _complete(entry, result)
 
 
 def _complete(entry: Entry, result: Any) -> None:
     if entry.finish is not None:
         result = entry.finish(result)
     entry.handle.set_result(result)
+
+
+def _host(x: Buffer | None) -> np.ndarray:
+    """``x`` as the host array the host forms work on (device buffers were staged before)."""
+    assert isinstance(x, np.ndarray), "a host form got a device buffer"
+    return x

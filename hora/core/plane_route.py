@@ -36,8 +36,10 @@ import numpy as np
 from hora._util.log import get_logger
 from hora.collectives.broadcast import broadcast
 from hora.collectives.comm import Comm
-from hora.collectives.ops import ReduceOp, scale_inplace
+from hora.collectives.ops import ReduceOp
 from hora.config import Config
+from hora.core.device import DeviceBuffer, scale
+from hora.core.entry import Buffer
 from hora.core.routing import DataPath, Route, build_route, close_quietly
 from hora.errors import ConfigError
 from hora.transports.planes import ExternalPlane, PeerWatch, Ticket, reduce_name
@@ -100,52 +102,76 @@ class PlaneRoute(Route):
 
     def _run(self, ticket: Ticket, what: str) -> None:
         self._watch.wait(ticket, self._plane.bell, what)
+        if ticket.settle is not None:  # device memory: order this thread's stream after the op
+            ticket.settle()
 
-    def _reduction(self, buf: np.ndarray, op: ReduceOp) -> str:
+    def _reduction(self, buf: Buffer, op: ReduceOp) -> str:
         """The plane's op name, or '' when reducing ``buf`` must run on the builtin path."""
         name = reduce_name(op)
         if name and self._plane.reduces(buf.dtype, name):
             return name
         return ""
 
+    @property
+    def native(self) -> bool:
+        """Whether the plane takes device buffers (:mod:`hora.core.device`) as they are."""
+        return bool(getattr(self._plane, "native", False))
+
     # ---- collectives -------------------------------------------------------------------------
-    def allreduce(self, buf: np.ndarray, op: ReduceOp, scratch: np.ndarray,
+    def allreduce(self, buf: Buffer, op: ReduceOp, scratch: np.ndarray,
                   counts: Sequence[int] | None = None, *, src: np.ndarray | None = None,
                   postscale: float = 1.0) -> None:
-        """:meth:`hora.core.routing.Route.allreduce` over the plane (or the builtin path)."""
+        """:meth:`hora.core.routing.Route.allreduce` over the plane (or the builtin path); a
+        device buffer's bytes stay on its device unless the builtin path must reduce them."""
         name = self._reduction(buf, op)
         if not name:
             why = "Adasum" if op is ReduceOp.Adasum else f"{op.name} allreduce of {buf.dtype}"
-            self._fallback(why).allreduce(buf, op, scratch, counts, src=src, postscale=postscale)
+            route = self._fallback(why)
+            if isinstance(buf, DeviceBuffer):  # hora's own path moves host memory
+                host = buf.to_host()
+                route.allreduce(host, op, scratch, counts, postscale=postscale)
+                buf.load(host)
+            else:
+                route.allreduce(buf, op, scratch, counts, src=src, postscale=postscale)
             return
         if src is not None:
+            assert isinstance(buf, np.ndarray), "src is for host buffers"
             np.copyto(buf, src)
-        self._run(self._plane.allreduce(buf, name), "allreduce")
-        scale_inplace(buf, postscale)
+        self._run(self._plane.allreduce(_native(buf), name), "allreduce")
+        scale(buf, postscale)
 
-    def allgather(self, sendbuf: np.ndarray, counts: Sequence[int], out: np.ndarray) -> None:
-        item = out.itemsize
-        self._run(self._plane.allgather(_bytes(sendbuf), [c * item for c in counts],
-                                        _bytes(out)), "allgather")
+    def allgather(self, sendbuf: Buffer, counts: Sequence[int],
+                  out: Buffer) -> None:
+        item = 1 if isinstance(out, DeviceBuffer) else out.itemsize
+        self._run(self._plane.allgather(_moved(sendbuf), [c * item for c in counts],
+                                        _moved(out)), "allgather")
 
-    def broadcast(self, buf: np.ndarray, root: int) -> None:
-        self._run(self._plane.broadcast(_bytes(buf), root), "broadcast")
+    def broadcast(self, buf: Buffer, root: int) -> None:
+        self._run(self._plane.broadcast(_moved(buf), root), "broadcast")
 
-    def alltoall(self, sendbuf: np.ndarray, send_counts: Sequence[int], recvbuf: np.ndarray,
-                 recv_counts: Sequence[int]) -> None:
-        item = sendbuf.itemsize
-        self._run(self._plane.alltoall(_bytes(sendbuf), [c * item for c in send_counts],
-                                       _bytes(recvbuf), [c * item for c in recv_counts]),
+    def alltoall(self, sendbuf: Buffer, send_counts: Sequence[int],
+                 recvbuf: Buffer, recv_counts: Sequence[int]) -> None:
+        item = 1 if isinstance(sendbuf, DeviceBuffer) else sendbuf.itemsize
+        self._run(self._plane.alltoall(_moved(sendbuf), [c * item for c in send_counts],
+                                       _moved(recvbuf), [c * item for c in recv_counts]),
                   "alltoall")
 
-    def reducescatter(self, buf: np.ndarray, counts: Sequence[int], op: ReduceOp,
-                      out: np.ndarray, scratch: np.ndarray) -> None:
+    def reducescatter(self, buf: Buffer, counts: Sequence[int],
+                      op: ReduceOp, out: Buffer, scratch: np.ndarray) -> None:
         name = self._reduction(buf, op)
         if not name:
-            self._fallback(f"{op.name} reducescatter of {buf.dtype}").reducescatter(
-                buf, counts, op, out, scratch)
+            route = self._fallback(f"{op.name} reducescatter of {buf.dtype}")
+            if isinstance(buf, DeviceBuffer) or isinstance(out, DeviceBuffer):
+                host_out = out.to_host() if isinstance(out, DeviceBuffer) else out
+                route.reducescatter(buf.to_host() if isinstance(buf, DeviceBuffer) else buf,
+                                    counts, op, host_out, scratch)
+                if isinstance(out, DeviceBuffer):
+                    out.load(host_out)
+            else:
+                route.reducescatter(buf, counts, op, out, scratch)
             return
-        self._run(self._plane.reducescatter(buf, counts, name, out), "reducescatter")
+        self._run(self._plane.reducescatter(_native(buf), counts, name, _native(out)),
+                  "reducescatter")
 
     def close(self) -> None:
         if self._builtin is not None:
@@ -153,8 +179,16 @@ class PlaneRoute(Route):
         self._plane.close()
 
 
-def _bytes(buf: np.ndarray) -> np.ndarray:
-    """``buf``'s bytes as a flat uint8 array (no copy): moving ops need no dtype."""
+def _native(buf: Buffer) -> Any:
+    """What the plane is handed: a host array, or the framework's tensor of a device buffer."""
+    return buf.native if isinstance(buf, DeviceBuffer) else buf
+
+
+def _moved(buf: Buffer) -> Any:
+    """A moving op's buffer for the plane: a host array's bytes as a flat uint8 array (no copy;
+    moving needs no dtype), a device buffer's flat tensor (counted in its elements)."""
+    if isinstance(buf, DeviceBuffer):
+        return buf.native.reshape(-1)
     return buf.reshape(-1).view(np.uint8)
 
 

@@ -27,6 +27,7 @@ import numpy as np
 from hora.collectives.ops import ReduceOp
 from hora.core import api, grouped
 from hora.core import context as _context
+from hora.core.entry import Buffer
 from hora.core.handle import DerivedHandle, Handle
 from hora.core.process_set import ProcessSet, global_process_set
 
@@ -39,7 +40,8 @@ REDUCE, MOVE = "reduce", "move"
 class Host:
     """An adapter's tensor as the core sees it."""
 
-    array: np.ndarray  # the values (a view of the tensor's memory where possible)
+    array: Buffer  # the values (a view of the tensor's memory where possible, or the tensor
+    # itself as a device buffer where the data plane takes it: hora.core.device)
     device: str  # device kind the ranks must agree on ('cpu', 'cuda', ...)
     tensor: Any  # the adapter's tensor
 

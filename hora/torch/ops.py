@@ -5,16 +5,20 @@ Horovod's non-differentiable forms of every collective, compiled by
 The bridge checks a tensor's dtype against Horovod's per-op tables, hands the core a numpy view
 of the tensor's memory (zero-copy on the CPU; bfloat16 is reinterpreted through int16; CUDA
 tensors are staged through host memory) and turns results back into tensors (in-place results
-bump autograd's version counter). All collective logic (naming, negotiation, averaging,
-validation across ranks, handles) is the core's.
+bump autograd's version counter). On the torch data plane the core gets the tensors themselves,
+on their device (:mod:`hora.torch.buffers`): no host copy, CUDA tensors go through NCCL. All
+collective logic (naming, negotiation, averaging, validation across ranks, handles) is the
+core's.
 
 Contract shared by every op here (Horovod's): every member of the process set must call the op
 with the same ``name`` (unnamed ops match by call order), the same dtype, and the shape rules of
 the op; mismatches fail the handle on every rank with ``HorovodInternalError`` at
 ``synchronize``; argument errors raise ``ValueError`` at call time.
 
-CUDA tensors: hora has no GPU data path; a CUDA tensor is copied to host memory, reduced there
-and copied back (two device<->host copies per op; see docs/torch.md). Nothing requires a GPU.
+CUDA tensors: on hora's builtin data plane a CUDA tensor is copied to host memory, reduced
+there and copied back (two device<->host copies per op); on the torch data plane
+(``HORA_DATA_PLANE=torch``) it stays on the GPU and NCCL reduces it (see docs/torch.md). Nothing
+requires a GPU.
 """
 
 from __future__ import annotations
@@ -27,10 +31,13 @@ import torch
 
 from hora.collectives.ops import BFLOAT16
 from hora.core import api as _api
+from hora.core import device as _device
 from hora.core import grouped as _grouped
 from hora.core import spellings as _sp
 from hora.core.api import synchronize as synchronize  # re-exported: ops.synchronize
+from hora.core.device import DeviceBuffer
 from hora.core.process_set import ProcessSet, global_process_set
+from hora.torch import buffers as _buffers
 
 # Horovod's torch binding registers kernels for these dtypes (spec §2.1); hora adds bfloat16.
 REDUCE_DTYPES = frozenset({torch.int32, torch.int64, torch.float16, torch.bfloat16,
@@ -93,6 +100,8 @@ class _TorchBridge:
 
     def host(self, tensor: Any, table: str) -> _sp.Host:
         t = check_tensor(tensor, REDUCE_DTYPES if table == _sp.REDUCE else MOVE_DTYPES)
+        if _device.native("torch"):  # the torch data plane: the tensor itself, on its device
+            return _sp.Host(_buffers.wrap(t), device_kind(t), t)
         return _sp.Host(host_array(t), device_kind(t), t)
 
     def hosts(self, tensors: Sequence[Any], table: str) -> tuple[list[_sp.Host], str]:
@@ -103,17 +112,26 @@ class _TorchBridge:
         device = checked[0].device
         if any(t.device != device for t in checked):
             raise ValueError("Tensors in list must be on same device.")
+        if _device.native("torch"):
+            return [_sp.Host(_buffers.wrap(t), device_kind(t), t) for t in checked], device.type
         return [_sp.Host(host_array(t), device_kind(t), t) for t in checked], device.type
 
     def result(self, like: _sp.Host, out: Any) -> torch.Tensor:
+        if isinstance(out, DeviceBuffer):  # made on the tensor's device by the core
+            result: torch.Tensor = out.native
+            return result
         return to_tensor(out, like.tensor.device)
 
     def written(self, host: _sp.Host, out: Any) -> torch.Tensor:
         tensor: torch.Tensor = host.tensor
         with torch.no_grad():
-            if tensor.device.type != "cpu":  # the result is in the staging copy: copy it back
+            if isinstance(host.array, DeviceBuffer):  # reduced where it lives
+                if host.array.native.data_ptr() != tensor.data_ptr():  # a contiguous copy
+                    tensor.copy_(host.array.native.view(tensor.shape))
+            elif tensor.device.type != "cpu":  # the result is in the staging copy: copy it back
                 tensor.copy_(to_tensor(host.array, torch.device("cpu")))
-            elif _increment_version is not None:  # autograd sees the in-place change
+                return tensor
+            if _increment_version is not None:  # autograd sees the in-place change
                 _increment_version(tensor)
         return tensor
 

@@ -27,7 +27,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -81,13 +81,17 @@ class Doorbell:
 class Ticket:
     """One op in flight on an external engine: done once :meth:`finish` was called."""
 
-    __slots__ = ("_bell", "done", "error", "keep")
+    __slots__ = ("_bell", "done", "error", "keep", "settle")
 
-    def __init__(self, bell: Doorbell, keep: Any = None) -> None:
+    def __init__(self, bell: Doorbell, keep: Any = None,
+                 settle: Callable[[], None] | None = None) -> None:
         self._bell = bell
         self.done = False
         self.error: str | None = None
         self.keep = keep  # the engine's buffers and handles, alive until the op is done
+        self.settle = settle
+        """Called by the waiter's thread once the op is done, before it reads the results
+        (device memory: makes that thread's stream wait for the engine's, ``work.wait()``)."""
 
     def finish(self, error: str | None = None) -> None:
         """The engine's thread: the op completed (``error``: why it failed)."""
@@ -100,9 +104,11 @@ class Ticket:
 class ExternalPlane(Protocol):
     """An external engine's collectives over the members of one process set.
 
-    Buffers are numpy arrays; ``op`` is ``"sum"``, ``"min"``, ``"max"`` or ``"product"``;
-    counts are elements of the buffer's dtype (byte buffers for the moving ops). Every method
-    starts the op and returns at once; the op is complete when its ticket is done.
+    Buffers are numpy arrays or, for a plane with ``native = True``, the framework's own tensors
+    on their device (the core's device buffers, ``hora.core.device``); ``op`` is ``"sum"``,
+    ``"min"``, ``"max"`` or ``"product"``; counts are elements of the buffer's dtype (host
+    buffers of the moving ops come as bytes). Every method starts the op and returns at once;
+    the op is complete when its ticket is done.
     """
 
     name: str

@@ -9,13 +9,15 @@ each group, so no ``MASTER_ADDR`` / ``env://`` is needed and nothing is publishe
 without the job secret. (The group's own connections are gloo's, which are not authenticated:
 the same as any ``torch.distributed`` job.)
 
-The backend follows the device of the buffers: **gloo** for host memory, which is what the core
-hands over today (it stages CUDA tensors through host memory); **NCCL** for CUDA tensors
-(:func:`make_group` with ``"nccl"``: the same code, only the backend name differs). The NCCL
-form has not run on a GPU here: this machine has none.
+The backend follows the device of the buffers: **gloo** for host memory (numpy arrays, CPU
+tensors), **NCCL** for CUDA tensors (:func:`make_group` with ``"nccl"``: the same code, only the
+backend name differs). ``native = True``: the core hands this plane hora.torch's tensors as they
+are, on their device (:mod:`hora.core.device`), so CUDA tensors reach NCCL without a host copy.
+The NCCL form has not run on a GPU here: this machine has none.
 
 Every op is started asynchronously (``work.get_future()``); its completion callback, on
-torch's thread, finishes the :class:`~hora.transports.planes.Ticket`. Buffers are shared with
+torch's thread, finishes the :class:`~hora.transports.planes.Ticket` (on a GPU the waiter then
+settles it: ``work.wait()`` orders its stream after NCCL's). Host buffers are shared with
 numpy, never copied (``torch.from_numpy``; bfloat16 through an int16 view). gloo's timeout is
 ``HORA_TIMEOUT_SECONDS``. Reductions gloo lacks (int16 and uint16) are reported by
 :meth:`TorchPlane.reduces` so the caller can run them on hora's builtin path.
@@ -133,6 +135,7 @@ class TorchPlane:
     docstring). Build with :meth:`create` on every member."""
 
     name = "torch"
+    native = True  # takes torch tensors as they are (hora.core.device)
 
     def __init__(self, client: KVStoreClient, scope: str, rank: int, size: int,
                  timeout: float, iface: str = "") -> None:
@@ -177,8 +180,11 @@ class TorchPlane:
         return group
 
     # ---- buffers -----------------------------------------------------------------------------
-    def _tensor(self, buf: np.ndarray) -> Any:
-        """A tensor over ``buf``'s memory (a copy only for a read-only buffer)."""
+    def _tensor(self, buf: Any) -> Any:
+        """A tensor over ``buf``'s memory: a host array's (a copy only for a read-only one), or
+        ``buf`` itself when it is a tensor already (a device buffer's, on its device)."""
+        if not isinstance(buf, np.ndarray):
+            return buf
         if not buf.flags.writeable:
             buf = buf.copy()
         if str(buf.dtype) == "bfloat16":
@@ -188,9 +194,22 @@ class TorchPlane:
     def reduces(self, dtype: np.dtype[Any], op: str) -> bool:
         return str(dtype) in _REDUCIBLE and op in ("sum", "min", "max", "product")
 
-    def _ticket(self, work: Any, keep: Any, after: Callable[[], None] | None = None) -> Ticket:
-        """The op's ticket, finished by torch's completion callback (after ``after``)."""
-        ticket = Ticket(self.bell, keep=(work, keep))
+    def _ticket(self, work: Any, keep: Any, device: str,
+                after: Callable[[], None] | None = None) -> Ticket:
+        """The op's ticket, finished by torch's completion callback. Host memory: ``after``
+        runs in the callback. Device memory (NCCL's callback fires once the op is queued, not
+        done): the waiter settles the ticket, ``work.wait()`` making its thread's stream wait
+        for the op's, then runs ``after`` in that order."""
+        if device == "cpu":
+            ticket = Ticket(self.bell, keep=(work, keep))
+        else:
+            def settle() -> None:
+                work.wait()
+                if after is not None:
+                    after()
+
+            ticket = Ticket(self.bell, keep=keep, settle=settle)
+            after = None
 
         def done(future: Any) -> None:
             try:
@@ -215,56 +234,63 @@ class TorchPlane:
                 "max": self._dist.ReduceOp.MAX, "product": self._dist.ReduceOp.PRODUCT}[op]
 
     # ---- collectives -------------------------------------------------------------------------
-    def allreduce(self, buf: np.ndarray, op: str) -> Ticket:
+    # Each takes host arrays or tensors (on one device); the group follows the device.
+    def allreduce(self, buf: Any, op: str) -> Ticket:
         t = self._tensor(buf)
         opts = self._dist.AllreduceOptions()
         opts.reduceOp = self._op(op)
-        return self._ticket(self._group("cpu").allreduce([t], opts), t)
+        device = t.device.type
+        return self._ticket(self._group(device).allreduce([t], opts), t, device)
 
-    def allgather(self, send: np.ndarray, counts: Sequence[int], out: np.ndarray) -> Ticket:
-        group = self._group("cpu")
+    def allgather(self, send: Any, counts: Sequence[int], out: Any) -> Ticket:
+        s, o = self._tensor(send), self._tensor(out)
+        device = o.device.type
+        group = self._group(device)
         width = max(counts) if counts else 0
-        if all(c == width for c in counts):  # gloo gathers equal blocks straight into `out`
-            outs = [self._tensor(out[i * width:(i + 1) * width]) for i in range(self.size)]
-            return self._ticket(group.allgather([outs], [self._tensor(send)]), outs)
+        if all(c == width for c in counts):  # gathered as equal blocks straight into `out`
+            outs = [o[i * width:(i + 1) * width] for i in range(self.size)]
+            return self._ticket(group.allgather([outs], [s]), outs, device)
         # uneven (gloo gathers equal blocks only): blocks padded to the widest, then each
         # block's own part moves into `out`
-        padded = np.zeros(width * self.size, dtype=out.dtype)
-        mine = np.zeros(width, dtype=out.dtype)
-        mine[:send.size] = send
-        outs = [self._tensor(padded[i * width:(i + 1) * width]) for i in range(self.size)]
+        padded = o.new_zeros(width * self.size)
+        mine = o.new_zeros(width)
+        mine[:s.numel()] = s
+        outs = [padded[i * width:(i + 1) * width] for i in range(self.size)]
 
         def compact() -> None:
             offset = 0
             for i, count in enumerate(counts):
-                out[offset:offset + count] = padded[i * width:i * width + count]
+                o[offset:offset + count] = padded[i * width:i * width + count]
                 offset += count
 
-        work = group.allgather([outs], [self._tensor(mine)])
-        return self._ticket(work, (outs, mine, padded), after=compact)
+        work = group.allgather([outs], [mine])
+        return self._ticket(work, (outs, mine, padded, o), device, after=compact)
 
-    def broadcast(self, buf: np.ndarray, root: int) -> Ticket:
+    def broadcast(self, buf: Any, root: int) -> Ticket:
         t = self._tensor(buf)
         opts = self._dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = root, 0
-        return self._ticket(self._group("cpu").broadcast([t], opts), t)
+        device = t.device.type
+        return self._ticket(self._group(device).broadcast([t], opts), t, device)
 
-    def alltoall(self, send: np.ndarray, send_counts: Sequence[int], out: np.ndarray,
+    def alltoall(self, send: Any, send_counts: Sequence[int], out: Any,
                  recv_counts: Sequence[int]) -> Ticket:
         s, r = self._tensor(send), self._tensor(out)
-        work = self._group("cpu").alltoall_base(r, s, list(recv_counts), list(send_counts),
-                                                self._dist.AllToAllOptions())
-        return self._ticket(work, (s, r))
+        device = r.device.type
+        work = self._group(device).alltoall_base(r, s, list(recv_counts), list(send_counts),
+                                                 self._dist.AllToAllOptions())
+        return self._ticket(work, (s, r), device)
 
-    def reducescatter(self, buf: np.ndarray, counts: Sequence[int], op: str,
-                      out: np.ndarray) -> Ticket:
+    def reducescatter(self, buf: Any, counts: Sequence[int], op: str, out: Any) -> Ticket:
+        t = self._tensor(buf)
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int)
-        parts = [self._tensor(buf[offsets[i]:offsets[i + 1]]) for i in range(self.size)]
+        parts = [t[offsets[i]:offsets[i + 1]] for i in range(self.size)]
         target = self._tensor(out)
         opts = self._dist.ReduceScatterOptions()
         opts.reduceOp = self._op(op)
-        work = self._group("cpu").reduce_scatter([target], [parts], opts)
-        return self._ticket(work, (parts, target))
+        device = target.device.type
+        work = self._group(device).reduce_scatter([target], [parts], opts)
+        return self._ticket(work, (parts, target), device)
 
     def close(self) -> None:
         self._groups.clear()  # torch frees a group with its last reference

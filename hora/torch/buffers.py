@@ -1,0 +1,98 @@
+"""Torch tensors as the core's device buffers (:class:`hora.core.device.DeviceBuffer`).
+
+On the torch data plane (``HORA_DATA_PLANE=torch``) hora.torch hands the core its tensors as
+they are, on their device: fused allreduces are packed, scaled and unpacked with torch's own
+kernels there, and ``torch.distributed`` moves them (NCCL for CUDA tensors, gloo for CPU ones),
+so a CUDA gradient is never copied to host memory. Every method queues work on the tensor's
+device in the current stream's order, which the plane's op then follows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from hora.collectives.ops import BFLOAT16
+from hora.core import device as _device
+from hora.core.device import DeviceBuffer
+
+_NUMPY: dict[torch.dtype, np.dtype[Any]] = {
+    t: np.dtype(n) for t, n in ((torch.float16, "float16"), (torch.float32, "float32"),
+                                (torch.float64, "float64"), (torch.int8, "int8"),
+                                (torch.uint8, "uint8"), (torch.int16, "int16"),
+                                (torch.int32, "int32"), (torch.int64, "int64"),
+                                (torch.bool, "bool"))}
+if BFLOAT16 is not None:
+    _NUMPY[torch.bfloat16] = np.dtype(BFLOAT16)
+_TORCH = {n: t for t, n in _NUMPY.items()}
+
+
+class TorchBuffer(DeviceBuffer):
+    """A contiguous torch tensor (``native``), on whatever device it lives."""
+
+    __slots__ = ()
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        super().__init__(tensor, tuple(tensor.shape), _NUMPY[tensor.dtype], tensor.device.type)
+
+    def view(self, shape: tuple[int, ...]) -> TorchBuffer:
+        return TorchBuffer(self.native.view(shape))
+
+    def part(self, start: int, stop: int) -> TorchBuffer:
+        return TorchBuffer(self.native.view(-1)[start:stop])
+
+    def empty(self, shape: tuple[int, ...]) -> TorchBuffer:
+        t = self.native
+        return TorchBuffer(torch.empty(shape, dtype=t.dtype, device=t.device))
+
+    def assign(self, src: DeviceBuffer) -> None:
+        self.native.view(-1).copy_(src.native.reshape(-1))
+
+    def zero(self) -> None:
+        self.native.zero_()
+
+    def scale(self, factor: float, mode: str) -> None:
+        t = self.native
+        if mode == "int":  # in float64, truncated toward zero
+            t.copy_(torch.trunc(t.to(torch.float64) * factor))
+        elif mode == "bool":
+            if factor == 0:
+                t.zero_()
+        elif mode == "wide":  # 16-bit floats: in float32, rounded back once
+            t.copy_(t.to(torch.float32).mul_(factor))
+        else:
+            t.mul_(factor)
+
+    def to_host(self) -> np.ndarray:
+        t = self.native.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.dtype is torch.bfloat16:
+            return t.view(torch.int16).numpy().view(self.dtype)
+        return t.numpy()
+
+    def load(self, host: np.ndarray) -> None:
+        t = self.native
+        if t.device.type == "cpu" and host.size and host.ctypes.data == t.data_ptr():
+            return  # to_host's own view: the values are there already
+        if BFLOAT16 is not None and host.dtype == BFLOAT16:
+            src = torch.from_numpy(np.ascontiguousarray(host).view(np.int16)).view(torch.bfloat16)
+        else:
+            src = torch.from_numpy(np.ascontiguousarray(host))
+        t.view(-1).copy_(src.reshape(-1))
+
+
+def wrap(tensor: torch.Tensor) -> TorchBuffer:
+    """``tensor`` (detached; a contiguous copy if it is not contiguous) as a device buffer."""
+    return TorchBuffer(tensor.detach().contiguous())
+
+
+def _cuda(shape: tuple[int, ...], dtype: np.dtype[Any]) -> DeviceBuffer:
+    return TorchBuffer(torch.empty(shape, dtype=_TORCH[np.dtype(dtype)], device="cuda"))
+
+
+_device.register_allocator("cuda", _cuda)  # a joined rank's zeros, on the current GPU
+
+__all__ = ["TorchBuffer", "wrap"]
