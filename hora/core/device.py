@@ -73,6 +73,11 @@ class DeviceBuffer(abc.ABC):
         """Elements ``[start, stop)`` of the flat buffer, as a 1-D view (no copy)."""
 
     @abc.abstractmethod
+    def bytes_view(self) -> DeviceBuffer:
+        """The same memory as a flat buffer of bytes (uint8): moving ops need no dtype, and an
+        engine moves bytes of any dtype (gloo cannot move int16 as int16)."""
+
+    @abc.abstractmethod
     def empty(self, shape: tuple[int, ...]) -> DeviceBuffer:
         """A new uninitialized buffer of ``shape``, of this dtype, on this device."""
 

@@ -142,7 +142,7 @@ class PlaneRoute(Route):
 
     def allgather(self, sendbuf: Buffer, counts: Sequence[int],
                   out: Buffer) -> None:
-        item = 1 if isinstance(out, DeviceBuffer) else out.itemsize
+        item = out.dtype.itemsize
         self._run(self._plane.allgather(_moved(sendbuf), [c * item for c in counts],
                                         _moved(out)), "allgather")
 
@@ -151,7 +151,7 @@ class PlaneRoute(Route):
 
     def alltoall(self, sendbuf: Buffer, send_counts: Sequence[int],
                  recvbuf: Buffer, recv_counts: Sequence[int]) -> None:
-        item = 1 if isinstance(sendbuf, DeviceBuffer) else sendbuf.itemsize
+        item = sendbuf.dtype.itemsize
         self._run(self._plane.alltoall(_moved(sendbuf), [c * item for c in send_counts],
                                        _moved(recvbuf), [c * item for c in recv_counts]),
                   "alltoall")
@@ -185,10 +185,9 @@ def _native(buf: Buffer) -> Any:
 
 
 def _moved(buf: Buffer) -> Any:
-    """A moving op's buffer for the plane: a host array's bytes as a flat uint8 array (no copy;
-    moving needs no dtype), a device buffer's flat tensor (counted in its elements)."""
+    """A moving op's buffer for the plane: its bytes, flat (no copy; moving needs no dtype)."""
     if isinstance(buf, DeviceBuffer):
-        return buf.native.reshape(-1)
+        return buf.bytes_view().native
     return buf.reshape(-1).view(np.uint8)
 
 

@@ -43,6 +43,9 @@ class TorchBuffer(DeviceBuffer):
     def part(self, start: int, stop: int) -> TorchBuffer:
         return TorchBuffer(self.native.view(-1)[start:stop])
 
+    def bytes_view(self) -> TorchBuffer:
+        return TorchBuffer(self.native.view(-1).view(torch.uint8))
+
     def empty(self, shape: tuple[int, ...]) -> TorchBuffer:
         t = self.native
         return TorchBuffer(torch.empty(shape, dtype=t.dtype, device=t.device))

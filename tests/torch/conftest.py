@@ -23,6 +23,9 @@ JOB_ENV = {
 }
 
 
-def run_cases(np_: int, group: str, timeout: float = 80.0) -> CaseJob:
-    """`hora run -np N python torch_worker.py GROUP`, whole process group killed on timeout."""
-    return run_job(np_, [WORKER, group], JOB_ENV, HERE, timeout)
+def run_cases(np_: int, group: str, timeout: float = 80.0,
+              launcher_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> CaseJob:
+    """`hora run -np N [launcher_args] python torch_worker.py GROUP`, whole process group killed
+    on timeout."""
+    return run_job(np_, [*launcher_args, WORKER, group], {**JOB_ENV, **(env or {})}, HERE,
+                   timeout)
