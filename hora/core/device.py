@@ -11,8 +11,8 @@ negotiation, fusion, the checks across ranks, fail-loud) is unchanged.
 The core still knows no framework: :class:`DeviceBuffer` is the small interface an adapter
 implements over its tensors (:class:`hora.torch.ops.TorchBuffer`). Where a device buffer meets
 a path that moves host memory only (hora's builtin path, for what the plane cannot reduce; a
-one-rank set), the core stages it through host memory (:func:`stage`, :meth:`DeviceBuffer.
-to_host`), as every adapter does on the builtin plane.
+one-rank set), the core stages it through host memory (:func:`hora.core.device_exec.stage`,
+:meth:`DeviceBuffer.to_host`), as every adapter does on the builtin plane.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from typing import Any
 import numpy as np
 
 from hora.collectives.ops import scale_inplace, scale_mode
-from hora.core import aligned
-from hora.core.entry import Entry
 
 NATIVE: dict[str, tuple[str, ...]] = {"torch": ("torch",)}
 """Data plane -> the frameworks whose tensors it moves as they are (no host copy)."""
@@ -137,37 +135,5 @@ def scale(buf: np.ndarray | DeviceBuffer, factor: float) -> None:
         scale_inplace(buf, factor)
 
 
-def stage(entry: Entry) -> None:
-    """Turn ``entry``'s device buffers into host arrays, for a path that moves host memory
-    only; its result is copied back onto the device when the op completes (an in-place op's
-    into its own buffer, an allreduce's or broadcast's into its output; the results of the
-    others reach the adapter as host arrays, which it places like the input)."""
-    dev = entry.tensor
-    if not isinstance(dev, DeviceBuffer):
-        return
-    host = dev.to_host()
-    out = entry.output
-    target = out if isinstance(out, DeviceBuffer) else None
-    entry.tensor = host
-    if out is dev:
-        entry.output = host
-    elif target is not None:
-        entry.output = aligned.empty(target.shape, target.dtype)
-    after = entry.finish
-
-    def finish(result: Any) -> Any:
-        if target is not None:
-            target.load(result)
-            result = target
-        return after(result) if after is not None else result
-
-    entry.finish = finish
-
-
-def holds_device(entry: Entry | None) -> bool:
-    """Whether ``entry`` carries a device buffer."""
-    return entry is not None and isinstance(entry.tensor, DeviceBuffer)
-
-
-__all__ = ["NATIVE", "DeviceBuffer", "allocator", "configure", "holds_device", "native",
-           "register_allocator", "scale", "stage"]
+__all__ = ["NATIVE", "DeviceBuffer", "allocator", "configure", "native", "register_allocator",
+           "scale"]

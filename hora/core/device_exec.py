@@ -7,7 +7,8 @@ zeros there), scaled (prescale before, postscale and Average's division after, w
 arithmetic), reduced by the plane, and cut back into each op's output; the other collectives
 get outputs allocated on the device. Every member of a set runs the same plane calls in the same
 order whichever form each rank uses, so a rank whose ops are host arrays (a joined rank with no
-device allocator, hora's numpy API on the CPU) meets the others.
+device allocator, hora's numpy API on the CPU) meets the others. Where a device buffer meets a
+route that moves host memory only, :func:`stage` turns it into a host array first.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from hora.collectives.ops import ReduceOp, to_dtype
+from hora.core import aligned
 from hora.core.device import DeviceBuffer, allocator, scale
 from hora.core.entry import Entry
 from hora.core.messages import Response
@@ -132,4 +134,37 @@ def reducescatter(route: PlaneRoute, resp: Response, entry: Entry, rows: list[in
     return out
 
 
-__all__ = ["allgather", "allreduce", "alltoall", "broadcast", "reducescatter", "template"]
+def stage(entry: Entry) -> None:
+    """Turn ``entry``'s device buffers into host arrays, for a path that moves host memory
+    only; its result is copied back onto the device when the op completes (an in-place op's
+    into its own buffer, an allreduce's or broadcast's into its output; the results of the
+    others reach the adapter as host arrays, which it places like the input)."""
+    dev = entry.tensor
+    if not isinstance(dev, DeviceBuffer):
+        return
+    host = dev.to_host()
+    out = entry.output
+    target = out if isinstance(out, DeviceBuffer) else None
+    entry.tensor = host
+    if out is dev:
+        entry.output = host
+    elif target is not None:
+        entry.output = aligned.empty(target.shape, target.dtype)
+    after = entry.finish
+
+    def finish(result: Any) -> Any:
+        if target is not None:
+            target.load(result)
+            result = target
+        return after(result) if after is not None else result
+
+    entry.finish = finish
+
+
+def holds_device(entry: Entry | None) -> bool:
+    """Whether ``entry`` carries a device buffer."""
+    return entry is not None and isinstance(entry.tensor, DeviceBuffer)
+
+
+__all__ = ["allgather", "allreduce", "alltoall", "broadcast", "holds_device", "reducescatter",
+           "stage", "template"]

@@ -19,7 +19,7 @@ from hora.collectives.comm import Comm, SubComm
 from hora.collectives.ops import ReduceOp, scale_inplace, to_dtype
 from hora.config import Config
 from hora.core import aligned, device_exec
-from hora.core.device import holds_device, stage
+from hora.core.device_exec import holds_device, stage
 from hora.core.entry import Buffer, Entry
 from hora.core.messages import ERROR_DEADLOCK, ERROR_SHUTDOWN, ERROR_STALL, OpKind, Response
 from hora.core.plane_route import PlaneRoute, build_plane_route

@@ -87,15 +87,24 @@ class TorchBuffer(DeviceBuffer):
         t.view(-1).copy_(src.reshape(-1))
 
 
+_GPU: list[torch.device] = []  # the CUDA device of the last CUDA tensor handed over
+
+
 def wrap(tensor: torch.Tensor) -> TorchBuffer:
     """``tensor`` (detached; a contiguous copy if it is not contiguous) as a device buffer."""
-    return TorchBuffer(tensor.detach().contiguous())
+    t = tensor.detach().contiguous()
+    if t.is_cuda and (not _GPU or _GPU[0] != t.device):
+        _GPU[:] = [t.device]
+    return TorchBuffer(t)
 
 
 def _cuda(shape: tuple[int, ...], dtype: np.dtype[Any]) -> DeviceBuffer:
-    return TorchBuffer(torch.empty(shape, dtype=_TORCH[np.dtype(dtype)], device="cuda"))
+    """A rank that joined contributes zeros on the GPU its earlier ops used (the engine's
+    thread has its own current device, not the one the program set)."""
+    gpu = _GPU[0] if _GPU else torch.device("cuda", torch.cuda.current_device())
+    return TorchBuffer(torch.empty(shape, dtype=_TORCH[np.dtype(dtype)], device=gpu))
 
 
-_device.register_allocator("cuda", _cuda)  # a joined rank's zeros, on the current GPU
+_device.register_allocator("cuda", _cuda)
 
 __all__ = ["TorchBuffer", "wrap"]
