@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -80,12 +80,21 @@ class DeviceBuffer(abc.ABC):
         """A new uninitialized buffer of ``shape``, of this dtype, on this device."""
 
     @abc.abstractmethod
-    def assign(self, src: DeviceBuffer) -> None:
-        """Copy ``src``'s elements in (the same element count, any shape)."""
+    def pack(self, parts: Sequence[DeviceBuffer | None], sizes: Sequence[int]) -> DeviceBuffer:
+        """A new flat buffer on this device holding ``parts`` one after another, flat, each of
+        ``sizes[i]`` elements (None: that many zeros): a fused op's buffer in one copy."""
 
     @abc.abstractmethod
-    def zero(self) -> None:
-        """Set every element to zero."""
+    def unpack(self, sizes: Sequence[int], shapes: Sequence[tuple[int, ...]],
+               outs: Sequence[DeviceBuffer | None]) -> list[DeviceBuffer]:
+        """This flat buffer cut into pieces of ``sizes`` elements: piece ``i`` copied into
+        ``outs[i]`` where given (returned), else a new buffer of ``shapes[i]`` (when no piece has
+        an ``outs``, the pieces may be views of this buffer, which then holds exactly those
+        results)."""
+
+    @abc.abstractmethod
+    def assign(self, src: DeviceBuffer) -> None:
+        """Copy ``src``'s elements in (the same element count, any shape)."""
 
     @abc.abstractmethod
     def scale(self, factor: float, mode: str) -> None:

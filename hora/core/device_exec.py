@@ -58,32 +58,31 @@ def allreduce(route: PlaneRoute, resp: Response, local: Sequence[Entry | None], 
         if out is not entry.tensor:
             out.assign(_buffer(entry.tensor))
         buf = out.view((total,))
-    else:
-        buf = like.empty((total,))
-        offset = 0
-        for entry, n in zip(local, sizes):
-            if entry is None:  # this rank joined: contribute zeros
-                buf.part(offset, offset + n).zero()
-            else:
-                buf.part(offset, offset + n).assign(_buffer(entry.tensor))
-            offset += n
+    else:  # one copy in (a rank that joined contributes zeros for what it lacks)
+        buf = like.pack([None if e is None else _buffer(e.tensor) for e in local], sizes)
     op = ReduceOp(resp.op)
     postscale = resp.postscale / (route.comm.size if op is ReduceOp.Average else 1)
     scale(buf, resp.prescale)
     route.allreduce(buf, op, scratch,
                     counts=sizes if op is ReduceOp.Adasum and not single else None,
                     postscale=postscale)
+    if single:
+        assert local[0] is not None
+        done(local[0], local[0].output)
+        return
+    outs: list[DeviceBuffer | None] = []
     offset = 0
-    for entry, n, shape in zip(local, sizes, resp.shapes):
-        if entry is not None:
-            if not single:
-                result = entry.output
-                if result is None:
-                    result = like.empty(tuple(shape))
-                _buffer(result).assign(buf.part(offset, offset + n))
-                entry.output = result
-            done(entry, entry.output)
+    for entry, n in zip(local, sizes):
+        if entry is None:  # joined: its piece stays where it is (and the others are copies)
+            outs.append(buf.part(offset, offset + n))
+        else:
+            outs.append(None if entry.output is None else _buffer(entry.output))
         offset += n
+    pieces = buf.unpack(sizes, [tuple(s) for s in resp.shapes], outs)
+    for entry, piece in zip(local, pieces):
+        if entry is not None:
+            entry.output = piece
+            done(entry, piece)
 
 
 def allgather(route: PlaneRoute, resp: Response, entry: Entry) -> DeviceBuffer:

@@ -9,6 +9,7 @@ device in the current stream's order, which the plane's op then follows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -50,11 +51,29 @@ class TorchBuffer(DeviceBuffer):
         t = self.native
         return TorchBuffer(torch.empty(shape, dtype=t.dtype, device=t.device))
 
+    def pack(self, parts: Sequence[DeviceBuffer | None], sizes: Sequence[int]) -> TorchBuffer:
+        t = self.native
+        flat = [p.native.view(-1) if p is not None
+                else torch.zeros(n, dtype=t.dtype, device=t.device)
+                for p, n in zip(parts, sizes)]
+        return TorchBuffer(torch.cat(flat) if flat else t.new_empty(0))
+
+    def unpack(self, sizes: Sequence[int], shapes: Sequence[tuple[int, ...]],
+               outs: Sequence[DeviceBuffer | None]) -> list[DeviceBuffer]:
+        pieces = self.native.split(list(sizes))
+        if all(o is None for o in outs):  # this buffer holds exactly these results: views
+            return [TorchBuffer(p.view(shape)) for p, shape in zip(pieces, shapes)]
+        results: list[DeviceBuffer] = []
+        for piece, shape, out in zip(pieces, shapes, outs):
+            if out is None:  # a copy: a kept result must not hold the whole fused buffer
+                results.append(TorchBuffer(piece.view(shape).clone()))
+            else:
+                out.native.view(-1).copy_(piece)
+                results.append(out)
+        return results
+
     def assign(self, src: DeviceBuffer) -> None:
         self.native.view(-1).copy_(src.native.reshape(-1))
-
-    def zero(self) -> None:
-        self.native.zero_()
 
     def scale(self, factor: float, mode: str) -> None:
         t = self.native
