@@ -137,7 +137,9 @@ def probes() -> dict[str, list[Probe]]:
                   ("CPU-only torch build" if torch_v is not None and not cuda
                    and hora_has("transports.torch_plane")
                    else _optional(torch_v, "torch (CUDA build)" if cuda else "torch",
-                                  "transports.torch_plane"))),
+                                  "transports.torch_plane")
+                   + ("; CUDA tensors stay on the GPU with --data-plane torch" if cuda
+                      else ""))),
         ],
         "Launchers": [
             Probe("hora run", True, "this host, and other hosts over ssh (-H, --hostfile)"
