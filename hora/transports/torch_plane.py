@@ -47,6 +47,9 @@ _REDUCIBLE = frozenset({"uint8", "int8", "int32", "int64", "float16", "float32",
 
 _STORE_CLASS: type | None = None
 
+NCCL_HINT = (" (HINT: NCCL needs a GPU of its own for every rank of a host: call "
+             "torch.cuda.set_device(hvd.local_rank()) after hvd.init(), as with Horovod)")
+
 
 def import_torch() -> Any:
     """``torch.distributed``, or ConfigError saying how to get it."""
@@ -217,7 +220,8 @@ class TorchPlane:
                 if after is not None:
                     after()
             except Exception as exc:  # the op failed: the waiter reports it
-                ticket.finish(str(exc) or type(exc).__name__)
+                ticket.finish((str(exc) or type(exc).__name__)
+                              + (NCCL_HINT if device != "cpu" else ""))
             else:
                 ticket.finish()
 
