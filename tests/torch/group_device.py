@@ -102,6 +102,26 @@ def what_the_plane_cannot_reduce_is_staged(hvd: Any, f: Any) -> None:
     assert SEEN["staged"] == [(2,)], SEEN["staged"]  # Adasum runs on hora's builtin path
 
 
+def host_arrays_and_tensors_in_flight_together(hvd: Any, f: Any) -> None:
+    """hora's numpy API beside hora.torch: ops the coordinator may fuse into one response, with
+    host arrays and device buffers in it (the device buffers are then staged)."""
+    import numpy as np
+
+    import hora
+
+    r = hvd.rank()
+    handles = []
+    for k in range(6):
+        handles.append(hvd.allreduce_async(_t([float(r + k)] * 3), name=f"dev.mix.t{k}",
+                                           op=hvd.Sum))
+        handles.append(hora.allreduce_async(np.full(2, r + k, np.float32),
+                                            name=f"dev.mix.n{k}", op=hora.Sum))
+    for k in range(6):
+        t, n = hvd.synchronize(handles[2 * k]), hora.synchronize(handles[2 * k + 1])
+        assert t.device.type == DEVICE and t.tolist() == [2.0 * k + 1] * 3, t
+        assert isinstance(n, np.ndarray) and n.tolist() == [2.0 * k + 1] * 2, n
+
+
 def a_joined_rank_contributes_zeros(hvd: Any, f: Any) -> None:
     r = hvd.rank()
     if r == 0:
@@ -112,7 +132,8 @@ def a_joined_rank_contributes_zeros(hvd: Any, f: Any) -> None:
 
 
 CASES = [the_bridge_hands_over_the_tensor, every_collective_moves_tensors,
-         what_the_plane_cannot_reduce_is_staged, a_joined_rank_contributes_zeros]
+         what_the_plane_cannot_reduce_is_staged, host_arrays_and_tensors_in_flight_together,
+         a_joined_rank_contributes_zeros]
 
 
 def cases() -> list[tuple[str, Any]]:
