@@ -15,6 +15,10 @@ member decides alike; logged once per reason at INFO):
   and 8- and 16-bit integers on MPI (Open MPI 4.1 saturates their sums);
 * process sets of one rank (nothing moves).
 
+**Device buffers.** A plane with ``native = True`` (torch) also takes the adapter's tensors as
+they are (:mod:`hora.core.device`): the route hands the plane the framework's tensor, and for
+what stays on the builtin path copies it to host memory and back.
+
 **The fast lane is off** with an external plane (the route has no lane group): every allreduce
 is negotiated by rank 0 and its bytes go through the plane, so ops ordered by the coordinator are
 the only ones the plane ever sees, on one thread.
