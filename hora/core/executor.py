@@ -220,6 +220,9 @@ class Executor:
             plane = self._on_device(route, local)
             like = device_exec.template(resp, local) if plane is not None else None
             if plane is not None and like is not None:  # on the device (the torch plane)
+                if self._tl.recording:
+                    self._tl.activity_start_all(resp.names,
+                                                collective_activity(route.name, resp.kind))
                 device_exec.allreduce(plane, resp, local, like,
                                       self._scratch_for(total * dtype.itemsize), self._done)
                 return
