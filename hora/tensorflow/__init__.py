@@ -53,6 +53,7 @@ from hora.tensorflow.mpi_ops import (
     reducescatter,
 )
 from hora.tensorflow.sync_batch_norm import SyncBatchNormalization
+from hora.tensorflow.util import _executing_eagerly  # noqa: F401 - Horovod's module has it
 from hora.tensorflow.v1_optimizer import DistributedOptimizer
 from hora.tensorflow.v1_session import BroadcastGlobalVariablesHook, broadcast_global_variables
 

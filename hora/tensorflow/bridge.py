@@ -17,14 +17,21 @@ core's numpy bridge (:class:`hora.core.host_bridge.HostBridge`, shared with ``ho
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
+try:  # the dataset whose function runs inline, on the thread that reads it (TF 2.13+)
+    from tensorflow.python.data.ops.map_op import _MapDataset
+except ImportError:  # pragma: no cover - older or newer layouts: collectives block a thread
+    _MapDataset = None
+
 from hora.core import spellings as _sp
 from hora.core.host_bridge import HostBridge
+from hora.tensorflow.op_errors import install_session_translation, translated
 
 # Horovod's TensorFlow kernels are registered for these dtypes; hora adds bfloat16.
 REDUCE_DTYPES = frozenset({tf.uint8, tf.int8, tf.int32, tf.int64, tf.float16, tf.bfloat16,
@@ -52,6 +59,8 @@ def check_dtype(tensor: Any, table: str) -> tf.Tensor:
     return t
 
 
+install_session_translation()
+
 HOST = HostBridge()
 """The bridge every collective of :mod:`hora.tensorflow` runs through (on host arrays, whose
 dtypes :func:`check_dtype` checked against TensorFlow's tables before they left TensorFlow)."""
@@ -67,16 +76,51 @@ def host_call(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[tf.Tenso
     """Run ``fn(*arrays) -> arrays`` on the host values of ``inputs``; results as tensors of
     ``dtypes``. Eager: a direct call. In a graph: one stateful ``tf.numpy_function`` op."""
     if tf.executing_eagerly():
-        outs = fn(*[_host_array(t) for t in inputs])
+        try:
+            outs = fn(*[_host_array(t) for t in inputs])
+        except Exception as exc:
+            converted = translated(exc)
+            if converted is None:
+                raise
+            raise converted from exc
         return [tf.convert_to_tensor(np.asarray(o, dtype=d.as_numpy_dtype))
                 for o, d in zip(outs, dtypes)]
 
     def graph_fn(*arrays: np.ndarray) -> list[np.ndarray]:
         return [np.asarray(o, dtype=d.as_numpy_dtype) for o, d in zip(fn(*arrays), dtypes)]
 
-    result = tf.numpy_function(graph_fn, list(inputs), list(dtypes), stateful=True,
-                               name=name.replace(".", "_").replace("/", "_"))
+    op = name.replace(".", "_").replace("/", "_")
+    if in_tf1_graph() and _MapDataset is not None:
+        return _off_the_executor(graph_fn, inputs, dtypes, op)
+    result = tf.numpy_function(graph_fn, list(inputs), list(dtypes), stateful=True, name=op)
     return list(result) if isinstance(result, (list, tuple)) else [result]
+
+
+def _off_the_executor(graph_fn: Callable[..., list[np.ndarray]], inputs: Sequence[tf.Tensor],
+                      dtypes: Sequence[tf.DType], op: str) -> list[tf.Tensor]:
+    """A TF1 graph's host call, run on a thread of its own instead of one of the session's
+    inter-op threads.
+
+    A ``Session`` runs independent ops on a small pool (one thread per core by default), in
+    any order, and each rank in its own order. A collective blocks its thread until every rank
+    has submitted it, so N independent collectives in one ``Session.run`` on a pool of fewer
+    than N threads could block every thread of rank 0 in ops that rank 1 has not reached, and
+    the reverse (a certain deadlock; Horovod's kernels are asynchronous and never hold a
+    thread). Here the ``tf.numpy_function`` runs inside a one-element dataset read by
+    ``DatasetToSingleElement``, an asynchronous kernel that runs each read on a thread of an
+    unbounded pool, with the map's function run inline on that thread.
+    """
+    with tf.name_scope(op):
+        feed = tuple(inputs) if inputs else (tf.zeros([], tf.int32),)
+
+        def body(*arrays: tf.Tensor) -> tuple[tf.Tensor, ...]:
+            args = list(arrays) if inputs else []
+            out = tf.numpy_function(graph_fn, args, list(dtypes), stateful=True, name=op)
+            return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+
+        dataset = _MapDataset(tf.data.Dataset.from_tensors(feed), body,
+                              use_inter_op_parallelism=False)
+        return list(dataset.get_single_element())
 
 
 def differentiable(what: str, xs: Sequence[tf.Tensor], forward: Callable[..., Sequence[Any]],
@@ -85,8 +129,10 @@ def differentiable(what: str, xs: Sequence[tf.Tensor], forward: Callable[..., Se
                    ) -> list[tf.Tensor]:
     """One collective over ``xs``: host function ``forward`` in one :func:`host_call` (op
     ``Hora<what>``; outputs of the inputs' dtypes, shaped ``shapes``), differentiable when
-    every input is floating point: ``backward(*cotangents, *extra(inputs))`` (op
-    ``Hora<what>Grad``) returns the inputs' cotangents (the rules of :mod:`hora.core.gradients`).
+    every input is floating point: ``backward(name, *cotangents, *extra(inputs))`` (op
+    ``Hora<what>Grad``) returns the inputs' cotangents (the rules of :mod:`hora.core.gradients`);
+    ``name`` is the gradient op's name in the core, from :func:`op_name` (None outside a TF1
+    graph).
     """
     def run(*inputs: tf.Tensor) -> list[tf.Tensor]:
         ys = host_call(forward, inputs, [x.dtype for x in inputs], f"Hora{what}")
@@ -102,7 +148,9 @@ def differentiable(what: str, xs: Sequence[tf.Tensor], forward: Callable[..., Se
         more = extra(inputs) if extra is not None else []
 
         def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
-            gs = host_call(backward, [*dys, *more], [d.dtype for d in dys], f"Hora{what}Grad")
+            name = op_name(None, tensor=dys[0], kind=f"{what}Grad")
+            gs = host_call(lambda *a: backward(name, *a), [*dys, *more],
+                           [d.dtype for d in dys], f"Hora{what}Grad")
             for g, x in zip(gs, inputs):
                 g.set_shape(x.shape)
             return gs
@@ -111,9 +159,36 @@ def differentiable(what: str, xs: Sequence[tf.Tensor], forward: Callable[..., Se
     return list(fn(*xs))
 
 
-def op_name(name: str | None, ignore_name_scope: bool = False) -> str | None:
-    """The op's name in the core: ``name`` under the current ``tf.name_scope`` (Horovod's rule;
-    ``ignore_name_scope`` drops the scope), or None for an automatic, call-order name."""
+_NOT_IN_NAMES = re.compile(r"[^A-Za-z0-9_]")
+
+
+def in_tf1_graph() -> bool:
+    """Whether ops are being added to a ``tf.compat.v1`` graph run by a ``Session`` (not eager,
+    not a ``tf.function`` trace). Its executor runs independent ops in any order, so ranks
+    must pair its collectives by name, never by call or run order."""
+    return (not tf.executing_eagerly()
+            and not tf.compat.v1.get_default_graph().building_function)
+
+
+def op_name(name: str | None, ignore_name_scope: bool = False, tensor: Any = None,
+            kind: str = "") -> str | None:
+    """The op's name in the core.
+
+    * Eagerly and in ``tf.function``: ``name`` under the current ``tf.name_scope`` (Horovod's
+      rule; ``ignore_name_scope`` drops the scope), or None for an automatic, call-order name
+      (``tf.function``'s stateful ops run in program order on every rank).
+    * In a TF1 graph (:func:`in_tf1_graph`), Horovod's rule: the name of the op's node, made
+      unique in the graph, from ``name`` or, unnamed, from the input ``tensor``
+      (``Horovod<kind>_<tensor name>``). Every rank that builds the same graph gets the same
+      names, whatever order its executor runs them in; two different ops never share one.
+    """
+    if in_tf1_graph() and (name or tensor is not None):
+        base = name or f"Horovod{kind}_{_NOT_IN_NAMES.sub('_', tensor.name)}"
+        graph = tf.compat.v1.get_default_graph()
+        if not ignore_name_scope:
+            return str(graph.unique_name(base))
+        with graph.name_scope(None):  # unique among names outside any scope
+            return str(graph.unique_name(base))
     if not name:
         return None
     scope = "" if ignore_name_scope else tf.get_current_name_scope()
@@ -128,5 +203,5 @@ def rows_shape(tensor: tf.Tensor) -> tf.TensorShape:
     return tf.TensorShape([None] + shape.as_list()[1:])
 
 
-__all__ = ["HOST", "MOVE_DTYPES", "REDUCE_DTYPES", "check_dtype", "host_call", "op_name",
-           "rows_shape"]
+__all__ = ["HOST", "MOVE_DTYPES", "REDUCE_DTYPES", "check_dtype", "host_call", "in_tf1_graph",
+           "op_name", "rows_shape"]

@@ -58,18 +58,26 @@ def _allreduce(tensor: tf.Tensor, name: str | None, op: ReduceOp, pre: float, po
     return differentiable(
         "Allreduce", [tensor],
         lambda a: [_sp.run(HOST, _sp.ALLREDUCE, a, None, name, *args)], [tensor.shape],
-        lambda g: [_grads.allreduce(HOST, g, *args)])[0]
+        lambda n, g: [_grads.allreduce(HOST, g, *args, name=n)])[0]
 
 
-def _sparse_allreduce(slices: tf.IndexedSlices, name: str | None, op: ReduceOp, pre: float,
-                      post: float, process_set: ProcessSet) -> tf.IndexedSlices:
-    """IndexedSlices: values and indices are allgathered (the core's sparse allreduce)."""
-    if op is ReduceOp.Adasum:
-        raise NotImplementedError("The Adasum reduction does not support sparse tensors: pass "
-                                  "sparse_as_dense=True or convert with tf.convert_to_tensor.")
+def _sparse_checks(op: ReduceOp, pre: float, post: float) -> None:
+    """Horovod's rules for ``tf.IndexedSlices``, checked when the op is built."""
+    if op not in (ReduceOp.Sum, ReduceOp.Average):
+        raise NotImplementedError(
+            f"The {op.name} reduction does not support sparse tensors (tf.IndexedSlices are "
+            "allgathered: only Sum and Average): pass sparse_as_dense=True to "
+            "DistributedOptimizer or convert with tf.convert_to_tensor.")
     if pre != 1.0 or post != 1.0:
-        raise ValueError("prescale_factor and postscale_factor are not supported with "
-                         "tf.IndexedSlices (sparse allreduce is an allgather).")
+        raise NotImplementedError("prescale_factor and postscale_factor are not supported with "
+                                  "tf.IndexedSlices (a sparse allreduce is an allgather).")
+
+
+def _sparse_allreduce(slices: tf.IndexedSlices, name: str | None, op: ReduceOp,
+                      process_set: ProcessSet) -> tf.IndexedSlices:
+    """IndexedSlices: values and indices are allgathered (the core's sparse allreduce, summed);
+    Average then divides the values by the set size with TensorFlow's division, as Horovod
+    does (integer values become floating point: ``/`` is true division)."""
     values = check_dtype(slices.values, _sp.MOVE)
     indices = tf.convert_to_tensor(slices.indices)
 
@@ -77,12 +85,14 @@ def _sparse_allreduce(slices: tf.IndexedSlices, name: str | None, op: ReduceOp, 
         ctx = _context.get("allreduce")
         base = ctx.engine.names.base("sparse_allreduce", name, process_set.process_set_id or 0)
         out: tuple[np.ndarray, np.ndarray] = _grouped.sparse_allreduce_async(
-            v, i, name=base, op=op, process_set=process_set).wait()
+            v, i, name=base, op=ReduceOp.Sum, process_set=process_set).wait()
         return list(out)
 
     v, i = host_call(run, [values, indices], [values.dtype, indices.dtype], "HoraSparseAllreduce")
     v.set_shape(rows_shape(values))
     i.set_shape(rows_shape(indices))
+    if op is ReduceOp.Average:
+        v = v / tf.cast(process_set.size() or 1, v.dtype)
     return tf.IndexedSlices(v, i, dense_shape=slices.dense_shape)
 
 
@@ -99,11 +109,12 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
     host memory).
     """
     resolved = _api.resolve_op(op, average)
-    full = op_name(name, ignore_name_scope)
     if isinstance(tensor, tf.IndexedSlices):
-        return _sparse_allreduce(tensor, full, resolved, prescale_factor, postscale_factor,
-                                 process_set)
+        _sparse_checks(resolved, prescale_factor, postscale_factor)
+        full = op_name(name, ignore_name_scope, tensor.values, "Allreduce")
+        return _sparse_allreduce(tensor, full, resolved, process_set)
     x = check_dtype(tensor, _sp.REDUCE)
+    full = op_name(name, ignore_name_scope, x, "Allreduce")
     if resolved is ReduceOp.Adasum:  # Horovod raises these when the op is built
         _api.check_adasum(x.dtype.as_numpy_dtype, process_set)
     compressed, ctx = compression.compress(x)
@@ -120,10 +131,25 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
     """Allreduce a list of tensors as one group (paired by list position across ranks; the
     engine fuses them). Returns the list of results. Differentiable."""
     resolved = _api.resolve_op(op, average)
-    full = op_name(name, ignore_name_scope)
     if not tensors:
         return []
+    sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
+    if sparse:  # Horovod: each IndexedSlices allgathered on its own, the rest as one group
+        _sparse_checks(resolved, prescale_factor, postscale_factor)
+        out: list[Any] = list(tensors)
+        for i in sparse:
+            out[i] = allreduce(tensors[i], op=resolved, compression=compression,
+                               name=f"{name}.{i}" if name else None, process_set=process_set,
+                               ignore_name_scope=ignore_name_scope)
+        dense = [i for i in range(len(tensors)) if i not in set(sparse)]
+        reduced = grouped_allreduce([tensors[i] for i in dense], None, device_dense,
+                                    device_sparse, compression, resolved, prescale_factor,
+                                    postscale_factor, name, process_set, ignore_name_scope)
+        for i, r in zip(dense, reduced):
+            out[i] = r
+        return out
     checked = [check_dtype(t, _sp.REDUCE) for t in tensors]
+    full = op_name(name, ignore_name_scope, checked[0], "GroupedAllreduce")
     if resolved is ReduceOp.Adasum:
         for t in checked:
             _api.check_adasum(t.dtype.as_numpy_dtype, process_set)
@@ -133,7 +159,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
     outs = differentiable(
         "GroupedAllreduce", xs,
         lambda *a: _sp.run(HOST, _sp.GROUPED_ALLREDUCE, list(a), None, full, *args),
-        [x.shape for x in xs], lambda *g: _grads.grouped_allreduce(HOST, g, *args))
+        [x.shape for x in xs], lambda n, *g: _grads.grouped_allreduce(HOST, g, *args, name=n))
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
 
 
@@ -149,10 +175,10 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
                       ignore_name_scope: bool = False,
                       process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """Allgather each tensor of a list; returns the list of results. Differentiable."""
-    full = op_name(name, ignore_name_scope)
     xs = [check_dtype(t, _sp.MOVE) for t in tensors]
     if not xs:
         return []
+    full = op_name(name, ignore_name_scope, xs[0], "Allgather")
     single = len(xs) == 1
     family = _sp.ALLGATHER if single else _sp.GROUPED_ALLGATHER
     n = len(xs)
@@ -161,11 +187,11 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
         out = _sp.run(HOST, family, a[0] if single else list(a), full, process_set)
         return [out] if single else list(out)
 
-    def backward(*a: np.ndarray) -> list[np.ndarray]:  # cotangents, then each input's rows
-        rows = [int(d) for d in a[n:]]
+    def backward(grad_name: str | None, *a: np.ndarray) -> list[np.ndarray]:
+        rows = [int(d) for d in a[n:]]  # a: cotangents, then each input's rows
         if single:
-            return [_grads.allgather(HOST, a[0], rows[0], process_set)]
-        return _grads.grouped_allgather(HOST, a[:n], rows, process_set)
+            return [_grads.allgather(HOST, a[0], rows[0], process_set, grad_name)]
+        return _grads.grouped_allgather(HOST, a[:n], rows, process_set, grad_name)
 
     return differentiable("Allgather", xs, forward, [rows_shape(x) for x in xs], backward,
                           lambda inputs: [tf.shape(x, out_type=tf.int64)[0] for x in inputs])
@@ -177,21 +203,29 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Return ``root_rank``'s tensor (global rank, member of the set) on every member. Shape,
     dtype and root must agree on all ranks. Differentiable."""
-    full = op_name(name, ignore_name_scope)
     x = check_dtype(tensor, _sp.MOVE)
+    full = op_name(name, ignore_name_scope, x, "Broadcast")
     return differentiable(
         "Broadcast", [x], lambda a: [_sp.run(HOST, _sp.BROADCAST, a, root_rank, full,
                                              process_set)], [x.shape],
-        lambda g: [_grads.broadcast(HOST, g, root_rank, process_set)])[0]
+        lambda n, g: [_grads.broadcast(HOST, g, root_rank, process_set, n)])[0]
 
 
 def broadcast_(variables: Any, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> Any:
     """In place: assign ``root_rank``'s values to ``variables`` (a variable, ``tf.Variable`` or
-    Keras, or a list of them), as one group of broadcasts. Returns ``variables``."""
+    Keras, or a list of them), as one group of broadcasts. Returns the variables' values after
+    the broadcast (a tensor, or a list of them), as Horovod does: in a graph they are read
+    after the assigns, so a session that evaluates them runs the broadcast."""
     single = not isinstance(variables, (list, tuple))
-    broadcast_assign([variables] if single else list(variables), root_rank, name, process_set)
-    return variables
+    var_list = [variables] if single else list(variables)
+    assigns = broadcast_assign(var_list, root_rank, name, process_set)
+    if tf.executing_eagerly():
+        values = [tf.convert_to_tensor(v) for v in var_list]
+    else:
+        with tf.control_dependencies(assigns):
+            values = [tf.identity(v) for v in var_list]
+    return values[0] if single else values
 
 
 def broadcast_assign(var_list: list[Any], root_rank: int, name: str | None = None,
@@ -201,7 +235,7 @@ def broadcast_assign(var_list: list[Any], root_rank: int, name: str | None = Non
     if not var_list:
         return []
     xs = [check_dtype(v, _sp.MOVE) for v in var_list]
-    base = op_name(name) or None
+    base = op_name(name, tensor=xs[0], kind="BroadcastInplace")
 
     def run(*arrays: np.ndarray) -> list[np.ndarray]:
         names = [None] * len(arrays) if base is None else [f"{base}.{i}"
@@ -221,8 +255,8 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
     """Send ``splits[j]`` rows (dimension 0) to set member ``j``, receive theirs. Returns the
     received tensor when ``splits`` is None (even split), else ``(received, received_splits)``
     (int32, not differentiable). Differentiable in the received tensor."""
-    full = op_name(name, ignore_name_scope)
     x = check_dtype(tensor, _sp.MOVE)
+    full = op_name(name, ignore_name_scope, x, "Alltoall")
     split_t = (tf.zeros([0], tf.int32) if splits is None
                else tf.cast(tf.reshape(tf.convert_to_tensor(splits), [-1]), tf.int32))
     even = splits is None
@@ -246,7 +280,9 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
             rows = tf.shape(t, out_type=tf.int64)[0]
 
             def grad(dy: tf.Tensor, _drecv: Any = None) -> tf.Tensor:
-                g = host_call(lambda a, r, n: [_grads.alltoall(HOST, a, r, int(n), process_set)],
+                gname = op_name(None, tensor=dy, kind="AlltoallGrad")
+                g = host_call(lambda a, r, n: [_grads.alltoall(HOST, a, r, int(n), process_set,
+                                                               gname)],
                               [dy, recv, rows], [dy.dtype], "HoraAlltoallGrad")[0]
                 g.set_shape(t.shape)
                 return g
@@ -279,11 +315,11 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
                           postscale_factor: float = 1.0) -> list[tf.Tensor]:
     """Reducescatter each tensor of a list; returns the list of shares. Differentiable."""
     resolved = _api.reducescatter_op(op)
-    full = op_name(name, ignore_name_scope)
     pairs = [compression.compress(check_dtype(t, _sp.REDUCE)) for t in tensors]
     xs = [c for c, _ in pairs]
     if not xs:
         return []
+    full = op_name(name, ignore_name_scope, xs[0], "Reducescatter")
     for x in xs:
         if x.shape.rank == 0:
             raise ValueError("Reducescatter does not support scalar inputs: reducescatter "
@@ -296,12 +332,12 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
         out = _sp.run(HOST, family, a[0] if single else list(a), full, *args)
         return [out] if single else list(out)
 
-    def backward(*g: np.ndarray) -> list[np.ndarray]:
+    def backward(grad_name: str | None, *g: np.ndarray) -> list[np.ndarray]:
         scale = _grads.reducescatter_scale(resolved, prescale_factor, postscale_factor,
                                            process_set)
         if single:
-            return [_grads.reducescatter(HOST, g[0], scale, process_set)]
-        return _grads.grouped_reducescatter(HOST, g, scale, process_set)
+            return [_grads.reducescatter(HOST, g[0], scale, process_set, grad_name)]
+        return _grads.grouped_reducescatter(HOST, g, scale, process_set, grad_name)
 
     outs = differentiable("Reducescatter", xs, forward, [rows_shape(x) for x in xs], backward)
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
