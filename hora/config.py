@@ -14,6 +14,7 @@ naming the knob.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -70,18 +71,60 @@ def parse_value(knob: Knob, raw: str, source: str) -> Any:
     try:
         value = _convert(knob, raw.strip())
     except ValueError as exc:
+        allowed = (f"; allowed: {allowed_text(knob)} (set by {setting_names(knob)})"
+                   if knob.type in (int, float) else "")
         raise ConfigError(f"{source}={raw!r} is not a valid value for knob '{knob.name}' "
-                          f"({knob.type.__name__}): {exc}. {knob.doc}") from None
+                          f"({knob.type.__name__}): {exc}{allowed}. {knob.doc}") from None
     if knob.type in (int, float):
-        for bad, bound in ((knob.minimum is not None and value < knob.minimum,
-                            f">= {knob.minimum}"),
-                           (knob.maximum is not None and value > knob.maximum,
-                            f"<= {knob.maximum}")):
-            if bad:
-                raise ConfigError(f"{source}={raw!r}: knob '{knob.name}' must be {bound}. "
-                                  f"{knob.doc}")
+        bound = _violated_bound(knob, value)
+        if bound:
+            hint = f"; {knob.range_hint}" if knob.range_hint else ""
+            raise ConfigError(
+                f"{source}={raw!r}: knob '{knob.name}' must be {bound}; allowed: "
+                f"{allowed_text(knob)}{hint} (set by {setting_names(knob)}). {knob.doc}")
     check_supported(knob, value, source, raw)
     return value
+
+
+def _violated_bound(knob: Knob, value: float) -> str:
+    """The bound ``value`` breaks ("> 0", "<= 1.0", "a finite number"), or "" when in range."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "a finite number, not " + ("NaN" if math.isnan(value) else "infinity")
+    low, high = knob.minimum, knob.maximum
+    if low is not None and (value < low or (knob.minimum_excluded and value == low)):
+        return f"{'>' if knob.minimum_excluded else '>='} {low}"
+    if high is not None and value > high:
+        return f"<= {high}"
+    return ""
+
+
+def allowed_text(knob: Knob) -> str:
+    """The values a knob accepts, for errors and docs: "a number > 0 and <= 1000000",
+    "a number >= 0 and <= 1000000 (0: disabled)", "one of auto, ring", "1 or 0"."""
+    if knob.type is bool:
+        return "1 or 0"
+    if knob.choices is not None:
+        return "one of " + ", ".join(knob.choices)
+    if knob.type not in (int, float):
+        return "text"
+    kind = "a whole number" if knob.type is int else "a number"
+    low, high = knob.minimum, knob.maximum
+    parts = []
+    if low is not None:
+        parts.append(f"{'>' if knob.minimum_excluded else '>='} {low}")
+    if high is not None:
+        parts.append(f"<= {high}")
+    text = f"{kind} {' and '.join(parts)}".strip()
+    zero = knob.zero_means and not _violated_bound(knob, 0)
+    return f"{text} (0: {knob.zero_means})" if zero else text
+
+
+def setting_names(knob: Knob) -> str:
+    """Where a knob is set: "HORA_X, HOROVOD_X or hora run --x"."""
+    names = [n for n in (knob.env, knob.alias) if n]
+    if knob.cli:
+        names.append(f"hora run {knob.cli}")
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
 
 
 def _convert(knob: Knob, text: str) -> Any:
@@ -90,7 +133,13 @@ def _convert(knob: Knob, text: str) -> Any:
             raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
         return text.lower() in _TRUE
     if knob.type is int:
-        return int(float(text)) if text.lower().endswith(("e", ".0")) else int(text)
+        try:
+            return int(text)
+        except ValueError:
+            number = float(text)  # "1e6", "64.0" (YAML writes whole floats so)
+            if not number.is_integer():  # also NaN and infinity
+                raise ValueError("expected a whole number") from None
+            return int(number)
     if knob.type is float:
         return float(text)
     value = text.lower() if knob.choices is not None else text
@@ -228,7 +277,8 @@ def cli_value_to_env(knob: Knob, value: Any) -> str:
     if knob.type is bool:
         return "1" if value else "0"
     if knob.cli_scale != 1:
-        return str(int(float(value) * knob.cli_scale))
+        return str(value * knob.cli_scale if isinstance(value, int)
+                   else int(float(value) * knob.cli_scale))
     return str(value)
 
 
@@ -238,8 +288,10 @@ __all__ = [
     "Config",
     "Knob",
     "accepted_text",
+    "allowed_text",
     "check_supported",
     "cli_value_to_env",
     "load",
     "parse_value",
+    "setting_names",
 ]

@@ -14,6 +14,12 @@ from typing import Any
 
 MiB = 1024 * 1024
 
+MAX_SECONDS = 1_000_000
+"""Upper bound of every knob in seconds (11.6 days): a longer wait is "never" in practice, and
+it keeps every deadline derived from it valid for the OS (``socket.settimeout`` refuses 1e10 s,
+a ``poll`` timeout in ms must fit 32 bits). Knobs where 0 means "never" say so."""
+_POSITIVE_SECONDS: dict[str, Any] = {"minimum_excluded": True, "maximum": MAX_SECONDS}
+
 
 @dataclass(frozen=True)
 class Knob:
@@ -29,8 +35,12 @@ class Knob:
         doc: one line for ``--help`` and the docs.
         cli_scale: the CLI value is multiplied by this to get the env value (MB -> bytes).
         choices: allowed values for ``str`` knobs (lower-case), or None.
-        minimum: smallest allowed value for numbers.
+        minimum: smallest allowed value for numbers (NaN and infinity are never allowed).
         maximum: largest allowed value for numbers, or None.
+        minimum_excluded: the value must be above ``minimum``, not equal to it (a timeout of
+            0 would fail everything at once).
+        zero_means: what 0 does, for a number whose range includes it ("disabled", "never").
+        range_hint: added to the error for a value out of range (how to get what 0 would mean).
         hora_only: True for knobs Horovod does not have.
         unsupported: for a Horovod knob whose effect hora does not have: why, and what to use
             instead; any value but ``default`` (and ``also_accepted``) is refused
@@ -51,6 +61,9 @@ class Knob:
     choices: tuple[str, ...] | None = None
     minimum: float | None = 0
     maximum: float | None = None
+    minimum_excluded: bool = False
+    zero_means: str = ""
+    range_hint: str = ""
     hora_only: bool = False
     unsupported: str = ""
     also_accepted: tuple[str, ...] = ()
@@ -102,15 +115,16 @@ KNOBS: tuple[Knob, ...] = (
     # --- engine ---
     _k("fusion_threshold", int, 128 * MiB, "--fusion-threshold-mb",
        "Fusion buffer size in bytes (CLI in MB); small tensors are packed together up to it. "
-       "0 disables fusion.", cli_scale=MiB),
+       "0 disables fusion.", cli_scale=MiB, zero_means="no fusion"),
     _k("cycle_time", float, 0.0, "--cycle-time-ms",
        "Milliseconds the coordinator waits after a tensor becomes ready so that more can be fused "
        "with it. hora's engine is event-driven, so 0 (the default) means 'respond at once'; "
-       "Horovod polls every 1 ms."),
+       "Horovod polls every 1 ms.", maximum=1000, zero_means="respond at once"),
     _k("cache_capacity", int, 1024, "--cache-capacity",
        "Response cache entries per process set: allreduces and allgathers (grouped and sparse "
        "ones included) negotiated once run again without rank 0's round trip (the "
-       "shared-memory fast lane, ranks on one host). 0 negotiates every op."),
+       "shared-memory fast lane, ranks on one host). 0 negotiates every op.",
+       zero_means="no cache"),
     _k("hierarchical_allreduce", bool, None, "--hierarchical-allreduce",
        "Reduce within each host (shared memory), then across hosts (TCP). Unset: automatic, "
        "on when a process set spans hosts with several ranks on a host; 1/0 force it."),
@@ -141,36 +155,40 @@ KNOBS: tuple[Knob, ...] = (
        "hora's; see docs/data-planes.md.", alias=False, choices=("builtin", "torch", "mpi")),
     _k("small_allreduce_bytes", int, 64 * 1024, None,
        "hora-only: allreduces up to this many bytes use the latency-optimal algorithm "
-       "(recursive doubling) when the algorithm is 'auto'.", alias=False),
+       "(recursive doubling) when the algorithm is 'auto'.", alias=False,
+       zero_means="the ring for every size"),
     # --- timeouts and faults ---
     _k("timeout_seconds", float, 30.0, "--timeout-seconds",
        "hora-only: deadline for connect, rendezvous and for a peer to make progress inside a "
-       "collective (alias HOROVOD_GLOO_TIMEOUT_SECONDS).", alias=False),
+       "collective (alias HOROVOD_GLOO_TIMEOUT_SECONDS).", alias=False, **_POSITIVE_SECONDS),
     _k("gloo_timeout_seconds", float, 30.0, "--gloo-timeout-seconds",
-       "Horovod's name for the connect/op deadline; used when HORA_TIMEOUT_SECONDS is unset."),
+       "Horovod's name for the connect/op deadline; used when HORA_TIMEOUT_SECONDS is unset.",
+       **_POSITIVE_SECONDS),
     _k("stall_check_disable", bool, False, None,
        "Turn off the stall inspector (CLI: --no-stall-check)."),
     _k("stall_check_time_seconds", float, 60.0, "--stall-check-warning-time-seconds",
-       "Warn, naming the missing ranks, when a tensor waits this long for some ranks."),
+       "Warn, naming the missing ranks, when a tensor waits this long for some ranks.",
+       range_hint="to turn the stall check off, set HOROVOD_STALL_CHECK_DISABLE=1 (hora run "
+       "--no-stall-check)", **_POSITIVE_SECONDS),
     _k("stall_shutdown_time_seconds", float, 600.0, "--stall-check-shutdown-time-seconds",
        "Fail a stalled op on every rank after this many seconds (0 = never, Horovod's default; "
-       "hora's is 600: see docs/faults.md)."),
+       "hora's is 600: see docs/faults.md).", maximum=MAX_SECONDS, zero_means="never"),
     _k("deadlock_time_seconds", float, 1.0, "--deadlock-time-seconds",
        "hora-only: when every rank has been blocked in a wait (synchronize, barrier, join, a "
        "sync op) for this long and none of their ops can complete, fail those ops on every "
        "rank with a message naming each rank's op. 0 disables (the stall check remains).",
-       alias=False),
+       alias=False, maximum=MAX_SECONDS, zero_means="disabled"),
     _k("heartbeat_timeout_seconds", float, 30.0, "--heartbeat-timeout-seconds",
        "hora-only: a rank that sends nothing (not even its heartbeat, every quarter of this) "
        "for this long is declared lost: hung, stopped or unreachable. 0 disables.",
-       alias=False),
+       alias=False, maximum=MAX_SECONDS, zero_means="disabled"),
     _k("start_timeout", float, 30.0, "--start-timeout",
        "Seconds start-up may go without progress: it fails, naming the missing ranks, when no "
        "new rank reached init() for this long (a slow but steady start of many ranks "
-       "succeeds)."),
+       "succeeds).", **_POSITIVE_SECONDS),
     _k("start_timeout_cap", float, 600.0, "--start-timeout-cap",
        "hora-only: seconds allowed for the whole start-up however steady (at least "
-       "start_timeout).", alias=False),
+       "start_timeout).", alias=False, **_POSITIVE_SECONDS),
     # --- observability ---
     _k("timeline", str, "", "--timeline-filename",
        "Write a Chrome-trace timeline to this file ('DYNAMIC': enabled, not started); "
@@ -190,7 +208,7 @@ KNOBS: tuple[Knob, ...] = (
     _k("elastic_timeout", float, 600.0, "--elastic-timeout",
        "Elastic mode: seconds the driver waits for at least --min-np workers (at start and after "
        "a failure) before it ends the job with a message; also how long a worker that does not "
-       "rejoin after a reset is waited for."),
+       "rejoin after a reset is waited for.", **_POSITIVE_SECONDS),
     _k("elastic", bool, False, None,
        "Set by an elastic launcher for its ranks: DistributedOptimizer registers its hooks even "
        "while the job has one rank (it may grow)."),
@@ -214,7 +232,7 @@ KNOBS: tuple[Knob, ...] = (
        "Autotune: CSV file written by rank 0 in Horovod's columns, one row per sample, the "
        "best setting last."),
     _k("autotune_warmup_samples", int, 3, "--autotune-warmup-samples",
-       "Autotune: samples discarded at the start."),
+       "Autotune: samples discarded at the start.", zero_means="none discarded"),
     _k("autotune_steps_per_sample", int, 10, "--autotune-steps-per-sample",
        "Autotune: a window closes when some tensor was reduced this many times; a sample is 3 "
        "windows of the setting tried, each followed by one of the starting setting.",
@@ -224,9 +242,10 @@ KNOBS: tuple[Knob, ...] = (
        "probes first, then points proposed by Bayesian optimisation).", minimum=1),
     _k("autotune_gaussian_process_noise", float, 0.8, "--autotune-gaussian-process-noise",
        "Autotune: the Gaussian process's noise level, in [0, 1], relative to the spread of the "
-       "scores (0: every measurement is exact).", maximum=1.0),
+       "scores (0: every measurement is exact).", maximum=1.0,
+       zero_means="every measurement is exact"),
     _k("num_nccl_streams", int, 1, "--num-nccl-streams", "Horovod: NCCL streams per GPU.",
-       unsupported=_NO_NCCL_STREAMS),
+       minimum=1, unsupported=_NO_NCCL_STREAMS),
     _k("controller", str, "gloo", None,
        "Horovod's controller; hora run sets 'gloo' for every rank, as horovodrun does.",
        choices=("gloo", "mpi"), unsupported=_NO_MPI_CONTROLLER),
@@ -238,4 +257,4 @@ KNOBS: tuple[Knob, ...] = (
 
 KNOBS_BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
 
-__all__ = ["KNOBS", "KNOBS_BY_NAME", "MiB", "Knob"]
+__all__ = ["KNOBS", "KNOBS_BY_NAME", "MAX_SECONDS", "MiB", "Knob"]

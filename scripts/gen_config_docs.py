@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hora.config import KNOBS, Knob, accepted_text
+from hora.config import KNOBS, Knob, accepted_text, allowed_text
 
 HEADER = """# Configuration knobs
 
@@ -15,6 +15,12 @@ Every knob is read from its `HORA_*` variable first, then from Horovod's `HOROVO
 malformed value is an error that names the knob. An unknown `HOROVOD_*` variable (other than
 the identity, build and GPU-library variables Horovod defines) gets a warning from rank 0 with
 the closest known name: Horovod ignores unknown names, so hora does not refuse them.
+
+Every number must be finite and within the range in the `allowed` column: NaN, infinity, a
+negative time, or 0 where 0 means nothing (a timeout of 0 would fail every op at once) is
+refused, naming the knob, where it is set and the range, whether it comes from the
+environment (either name), a `hora run` flag, a `--config-file` or `hora.run()`. Where 0 has a
+meaning the column says which ("0: disabled"). Times are at most 1000000 seconds (11.6 days).
 
 Every knob has an effect, or is refused. A Horovod knob whose effect hora does not have (the
 torus allreduce, NCCL streams, the MPI controller, MPI or oneCCL CPU operations) accepts
@@ -33,8 +39,8 @@ fusion threshold and cycle time while training ([autotune.md](autotune.md)); the
 
 def markdown_table(knobs: tuple[Knob, ...] = KNOBS) -> str:
     """The knob table as Markdown; a knob hora refuses says so, why, and what to use instead."""
-    rows = ["| knob | `HORA_*` env | Horovod alias | `hora run` flag | default | doc |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| knob | `HORA_*` env | Horovod alias | `hora run` flag | default | allowed | doc |",
+            "|---|---|---|---|---|---|---|"]
     for k in knobs:
         note = ""
         if k.unsupported:
@@ -42,7 +48,8 @@ def markdown_table(knobs: tuple[Knob, ...] = KNOBS) -> str:
                     f"refused): {k.unsupported}")
         rows.append(
             f"| {k.name} | `{k.env}` | {f'`{k.alias}`' if k.alias else '(hora-only)'} | "
-            f"{f'`{k.cli}`' if k.cli else ''} | `{k.default!r}` | {k.doc}{note} |"
+            f"{f'`{k.cli}`' if k.cli else ''} | `{k.default!r}` | {allowed_text(k)} | "
+            f"{k.doc}{note} |"
         )
     return "\n".join(rows) + "\n"
 

@@ -4,8 +4,13 @@ Part of the engine (:mod:`hora.core.engine`), which owns the control loop; this 
 what the ranks tell each other about being alive and about failing:
 
 * **heartbeats**: every rank beats to its control peers (rank 0 to every worker, a worker to
-  rank 0) each quarter of ``HORA_HEARTBEAT_TIMEOUT_SECONDS``; a peer heard from for that long
-  is lost (:class:`~hora.errors.PeerLostError`, naming it and the knob);
+  rank 0) each quarter of ``HORA_HEARTBEAT_TIMEOUT_SECONDS``; a peer not heard from for that
+  long is lost (:class:`~hora.errors.PeerLostError`, naming it and the knob). The engine wakes
+  when the first peer's time is up (:meth:`Liveness.next_beat_in`), so the loss is seen within
+  the timeout, not up to a heartbeat interval later;
+* **the launcher**: with the heartbeats (or every :data:`LAUNCHER_CHECK_S` when they are off),
+  whether the launcher serving the rendezvous store is still there
+  (:mod:`hora.rendezvous.launcher_watch`): a killed launcher fails the rank's ops;
 * **goodbyes**: a worker that shuts down says ``BYE`` (its connection closing later is then a
   clean exit); rank 0 shutting down tells every worker ``SHUTDOWN``;
 * **abort reasons**: a failing rank sends its reason to its control peers and, when its failure
@@ -18,7 +23,12 @@ import time
 
 from hora.core.messages import MSG_ABORT, MSG_BYE, MSG_HEARTBEAT, MSG_SHUTDOWN, decode, encode
 from hora.errors import HoraError, HoraInternalError, PeerLostError
+from hora.rendezvous import launcher_watch
 from hora.transports.base import Transport
+
+LAUNCHER_CHECK_S = 7.5
+"""Seconds between checks of the launcher while heartbeats are off (a quarter of the default
+heartbeat timeout); with heartbeats on, every heartbeat checks it."""
 
 
 class RemoteAbort(HoraInternalError):
@@ -40,6 +50,8 @@ class Liveness:
         peers = range(1, self.size) if self.rank == 0 else ([0] if self.size > 1 else [])
         self._last_heard: dict[int, float] = {p: now for p in peers}
         self._last_beat = now
+        self._check_every = heartbeat_timeout / 4 if heartbeat_timeout > 0 else LAUNCHER_CHECK_S
+        self._next_check = now + self._check_every
         self.departed: set[int] = set()
         """Workers that said goodbye (rank 0)."""
 
@@ -60,25 +72,34 @@ class Liveness:
         self._last_heard.pop(peer, None)
 
     def next_beat_in(self) -> float | None:
-        """Seconds until the next heartbeat is due (None: heartbeats are off)."""
-        if self._timeout <= 0:
-            return None
-        return max(0.0, self._last_beat + self._timeout / 4 - time.monotonic())
+        """Seconds until :meth:`beat` has something to do: a heartbeat to send, a peer whose
+        time is up, the launcher to check (None: nothing, ever)."""
+        due = [self._next_check] if launcher_watch.active() else []
+        if self._timeout > 0 and self._last_heard:
+            due += [self._last_beat + self._timeout / 4,
+                    min(self._last_heard.values()) + self._timeout]
+        return max(0.0, min(due) - time.monotonic()) if due else None
 
     def beat(self) -> None:
-        """Send our heartbeat when due; declare a control peer lost after a silent timeout."""
+        """Send our heartbeat when due; declare a control peer lost after a silent timeout,
+        and this rank's job lost when its launcher is gone."""
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + self._check_every
+            gone = launcher_watch.check()
+            if gone is not None:
+                raise HoraInternalError(gone)
         if self._timeout <= 0 or not self._last_heard:
             return
-        now = time.monotonic()
         if now - self._last_beat >= self._timeout / 4:
             self._last_beat = now
             message = encode(MSG_HEARTBEAT)
             for peer in self._last_heard:
                 self._transport.send_control(peer, message)
         for peer, heard in self._last_heard.items():
-            if now - heard > self._timeout:
+            if now - heard >= self._timeout:
                 raise PeerLostError(
-                    f"{self._transport.describe(peer)} sent nothing for {now - heard:.0f} s, not "
+                    f"{self._transport.describe(peer)} sent nothing for {now - heard:.1f} s, not "
                     f"even a heartbeat (HORA_HEARTBEAT_TIMEOUT_SECONDS={self._timeout:g}): it "
                     "is hung, stopped (e.g. SIGSTOP, a debugger) or its host is unreachable",
                     peer=peer)

@@ -11,6 +11,7 @@ import socket
 from hora._util.log import get_logger
 from hora._util.net import is_loopback
 from hora.errors import RendezvousError
+from hora.rendezvous import launcher_watch
 from hora.rendezvous.env import WorldInfo
 from hora.rendezvous.kvstore import KVStoreServer
 from hora.rendezvous.store_client import KVStoreClient
@@ -46,6 +47,7 @@ def bootstrap(info: WorldInfo, timeout: float, *, bind_host: str | None = None
     Returns:
         ``(client, server)``: ``(None, None)`` when there is no store (a single process);
         ``server`` is None unless this rank serves the store (the caller closes it last).
+        A client of a store that a launcher serves is watched (:mod:`.launcher_watch`).
 
     Raises:
         RendezvousError: the store could not be started (port in use, address not local) or
@@ -72,6 +74,9 @@ def bootstrap(info: WorldInfo, timeout: float, *, bind_host: str | None = None
         if server is not None:
             server.close()
         raise
+    who = launcher_watch.owner(info)
+    if who is not None:  # a killed launcher leaves no one to stop this rank: notice it
+        launcher_watch.watch(client, who)
     return client, server
 
 

@@ -8,6 +8,7 @@ the store's semantics are in :mod:`hora.rendezvous.kvstore`.
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
@@ -69,6 +70,7 @@ class KVStoreClient:
         self._timeout = timeout
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self._closed = False
         with self._lock:
             self._connect(time.monotonic() + timeout)
 
@@ -76,6 +78,11 @@ class KVStoreClient:
     def address(self) -> str:
         """``host:port`` of the server."""
         return f"{self._host}:{self._port}"
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
 
     @property
     def timeout(self) -> float:
@@ -264,9 +271,37 @@ class KVStoreClient:
         value: int = _I64.unpack(body)[0]
         return value
 
+    def server_closed(self) -> bool:
+        """Whether the server closed this client's idle connection (it exited or was killed:
+        the kernel closes its sockets). Never blocks and never sends: False while a request is
+        in flight on another thread, after :meth:`close`, or when the connection is already
+        down (that request's caller got the error)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            sock = self._sock
+            if sock is None or self._closed:
+                return False
+            if hasattr(select, "poll"):
+                poller = select.poll()
+                poller.register(sock, select.POLLIN)
+                if not poller.poll(0):
+                    return False
+            elif not select.select([sock], [], [], 0)[0]:
+                return False
+            try:  # readable while idle: EOF (b""), a reset, or bytes the server never sends
+                return sock.recv(1, socket.MSG_PEEK) == b""
+            except BlockingIOError:
+                return False
+            except OSError:
+                return True
+        finally:
+            self._lock.release()
+
     def close(self) -> None:
         """Close the connection. Idempotent."""
         with self._lock:
+            self._closed = True
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None

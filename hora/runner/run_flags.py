@@ -9,10 +9,11 @@ the parsed flags mean is :func:`hora.runner.cli.spec_from_args`'s business.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Any, NoReturn
 
-from hora.config import KNOBS, Knob, accepted_text, check_supported, parse_value
+from hora.config import KNOBS, KNOBS_BY_NAME, Knob, accepted_text, check_supported, parse_value
 from hora.errors import ConfigError
 
 PROG = "hora"
@@ -137,8 +138,8 @@ def _non_negative(kind: type, upper: float | None = None) -> Any:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a valid {kind.__name__}") from None
-        if value < 0 or (upper is not None and value > upper):
-            bound = f"in [0, {upper}]" if upper is not None else ">= 0"
+        if not math.isfinite(value) or value < 0 or (upper is not None and value > upper):
+            bound = f"in [0, {upper}]" if upper is not None else "a finite number >= 0"
             raise argparse.ArgumentTypeError(f"must be {bound}, not {text}")
         return value
     parse.__name__ = kind.__name__
@@ -266,7 +267,8 @@ def build_run_parser() -> argparse.ArgumentParser:
                    metavar="N", help="maximum number of ranks")
     e.add_argument("--slots-per-host", dest="slots_per_host", type=_positive_int, metavar="N",
                    help="slots of discovered hosts that state none")
-    e.add_argument("--elastic-timeout", dest="knob_elastic_timeout", type=_non_negative(float),
+    e.add_argument("--elastic-timeout", dest="knob_elastic_timeout",
+                   type=_knob_parser(KNOBS_BY_NAME["elastic_timeout"], "--elastic-timeout"),
                    metavar="SECONDS", help="seconds to wait for --min-np workers at start and "
                    "after a failure before the job fails [default: 600; env "
                    "HOROVOD_ELASTIC_TIMEOUT]")
