@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv with hora and everything its tests, demo and benchmarks use. Idempotent.
 # PyTorch is installed first and pinned: an unpinned torch pulls several GB of CUDA packages.
-# tensorflow-cpu (the CPU-only wheel of TensorFlow, with Keras 3) comes next.
+# tensorflow-cpu (the CPU-only wheel of TensorFlow, with Keras 3) comes next, then tf-keras
+# of the same version (Keras 2 under TF_USE_LEGACY_KERAS=1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -17,6 +18,12 @@ if ! .venv/bin/python -c "import tensorflow" 2>/dev/null; then
   # after torch: tensorflow-cpu keeps the numpy torch was installed with (no GPU wheels)
   echo "[setup] installing tensorflow-cpu==2.21.0 (hora.tensorflow / hora.keras)"
   $PIP install "tensorflow-cpu==2.21.0"
+fi
+if ! .venv/bin/python -c "import tf_keras" 2>/dev/null; then
+  # Keras 2 for TF_USE_LEGACY_KERAS=1 (hora.keras's tf-keras tests); its version must match
+  # TensorFlow's, or pip replaces TensorFlow
+  echo "[setup] installing tf-keras==2.21.0 (Keras 2 through tf-keras)"
+  $PIP install "tf-keras==2.21.0"
 fi
 if ! .venv/bin/python -c "import jax, optax, flax" 2>/dev/null; then
   # after torch: jax's CPU wheel (jaxlib) keeps numpy as it is (hora.jax)

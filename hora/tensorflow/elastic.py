@@ -56,6 +56,7 @@ from hora.elastic.state import ObjectState, State
 from hora.elastic.worker import reset, run_fn
 from hora.errors import HorovodInternalError
 from hora.tensorflow.functions import allgather_object, broadcast_object, broadcast_variables
+from hora.tensorflow.keras_flavor import build_optimizer
 from hora.tensorflow.v1_state import SessionVariables, default_session
 
 log = get_logger(__name__)
@@ -223,10 +224,10 @@ class TensorFlowKerasState(ObjectState):
         model: a built Keras model (``ValueError`` otherwise: call ``model.build(...)`` or give
             it an ``Input``).
         optimizer: a Keras optimizer; default ``model.optimizer`` (the compiled one, or none:
-            then only the model is tracked). One that has no variables yet (Keras 3 creates
-            slots on the first update) is built now for ``model.trainable_variables``, so that
-            a commit before the first step covers the slots and every worker, a newcomer
-            included, holds the same optimizer variables.
+            then only the model is tracked). One that has no variables yet (Keras 3 and tf-keras
+            create slots on the first update) is built now for ``model.trainable_variables``,
+            so that a commit before the first step covers the slots and every worker, a
+            newcomer included, holds the same optimizer variables.
         backend: accepted for Horovod compatibility (the Keras backend of TF1 sessions); unused.
         **kwargs: plain attributes (``epoch=0, batch=0``), deep-copied at every commit.
 
@@ -247,12 +248,11 @@ class TensorFlowKerasState(ObjectState):
         self.optimizer: Any = optimizer if optimizer is not None else getattr(
             model, "optimizer", None)
         self.backend = backend
-        if self.optimizer is not None and not getattr(self.optimizer, "built", True):
-            build = getattr(self.optimizer, "build", None)
-            if callable(build):
-                log.debug("%s: building the optimizer's variables for the model's %d trainable "
-                          "variables", type(self).__name__, len(model.trainable_variables))
-                build(model.trainable_variables)
+        if self.optimizer is not None:
+            log.debug("%s: building the optimizer's variables (if it has none) for the model's "
+                      "%d trainable variables", type(self).__name__,
+                      len(model.trainable_variables))
+            build_optimizer(self.optimizer, list(model.trainable_variables))
         self._snapshot = _Snapshot()
         self._snapshot.save(self._variables())
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)

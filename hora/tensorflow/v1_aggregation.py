@@ -8,6 +8,10 @@ counts the pass. On the N-th pass the accumulated gradients are reduced across r
 N with ``average_aggregated_gradients``), the count starts again, and the wrapped optimizer
 applies them; on the other passes nothing is applied and ``global_step`` (if given) still
 advances, so it counts passes as in Horovod.
+
+:func:`reduce_in_order` runs a reduction of several host calls (sparse gradients) in one order on
+every rank of a TF1 graph (the optimizers of :mod:`hora.tensorflow.v1_optimizer` and tf-keras's,
+:mod:`hora.tensorflow.keras.keras2_optimizer`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,24 @@ from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
+
+from hora.tensorflow.gradients import GradientReducer
+
+
+def reduce_in_order(reducer: GradientReducer, grads: list[Any], variables: list[Any]) -> list[Any]:
+    """``reducer(grads, variables)``; in a TF1 graph with sparse gradients (several host
+    calls) inside one ``tf.function`` call, so that every rank runs them in the same order."""
+    sparse = any(isinstance(g, tf.IndexedSlices) for g in grads)
+    if not sparse or tf.executing_eagerly() or tf.inside_function():
+        return reducer(grads, variables)
+    live = [i for i, g in enumerate(grads) if g is not None]
+    live_vars = [variables[i] for i in live]
+    reduced = tf.function(lambda gs: reducer(gs, live_vars), autograph=False)(
+        [grads[i] for i in live])
+    out = list(grads)
+    for i, r in zip(live, reduced):
+        out[i] = r
+    return out
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -43,7 +65,9 @@ class LocalAggregation:
             return tf.convert_to_tensor(grad)
         return grad
 
-    def _variables(self, grads: list[Any]) -> list[Any]:
+    def _variables(self, grads: list[Any], variables: list[Any]) -> list[Any]:
+        """The counter and one accumulator per gradient (``variables``: the gradients'
+        variables, for subclasses that shape accumulators after them)."""
         local = [tf.compat.v1.GraphKeys.LOCAL_VARIABLES]
         with tf.compat.v1.variable_scope(self.scope, reuse=tf.compat.v1.AUTO_REUSE):
             self.counter = tf.compat.v1.get_variable(
@@ -60,7 +84,7 @@ class LocalAggregation:
         live = [i for i, g in enumerate(grads) if g is not None]
         dense = [self._dense(grads[i]) for i in live]
         live_vars = [variables[i] for i in live]
-        accs = self._variables(dense)
+        accs = self._variables(dense, live_vars)
         counter = self.counter
         clear = tf.cond(tf.equal(counter, 0),
                         lambda: tf.group(*[a.assign(tf.zeros_like(a)) for a in accs]), tf.no_op)
@@ -99,4 +123,4 @@ class LocalAggregation:
         return train
 
 
-__all__ = ["LocalAggregation"]
+__all__ = ["LocalAggregation", "reduce_in_order"]

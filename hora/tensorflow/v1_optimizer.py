@@ -32,25 +32,10 @@ from hora.core import distopt
 from hora.core.process_set import ProcessSet, global_process_set
 from hora.tensorflow.compression import Compression, Compressor
 from hora.tensorflow.gradients import GradientReducer
-from hora.tensorflow.v1_aggregation import LocalAggregation
+from hora.tensorflow.keras_flavor import is_keras2
+from hora.tensorflow.v1_aggregation import LocalAggregation, reduce_in_order
 
 _LegacyOptimizer = tf.compat.v1.train.Optimizer
-
-
-def reduce_in_order(reducer: GradientReducer, grads: list[Any], variables: list[Any]) -> list[Any]:
-    """``reducer(grads, variables)``; in a TF1 graph with sparse gradients (several host
-    calls) inside one ``tf.function`` call, so that every rank runs them in the same order."""
-    sparse = any(isinstance(g, tf.IndexedSlices) for g in grads)
-    if not sparse or tf.executing_eagerly() or tf.inside_function():
-        return reducer(grads, variables)
-    live = [i for i, g in enumerate(grads) if g is not None]
-    live_vars = [variables[i] for i in live]
-    reduced = tf.function(lambda gs: reducer(gs, live_vars), autograph=False)(
-        [grads[i] for i in live])
-    out = list(grads)
-    for i, r in zip(live, reduced):
-        out[i] = r
-    return out
 
 
 class _DistributedOptimizer(_LegacyOptimizer):  # type: ignore[misc,valid-type]
@@ -193,9 +178,10 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802 
     they are applied (Horovod's ``horovod.tensorflow.DistributedOptimizer``).
 
     A ``tf.compat.v1.train.Optimizer`` is wrapped here (``op=Adasum``: the delta optimizer);
-    a Keras optimizer goes to :func:`hora.tensorflow.keras.DistributedOptimizer` with every
-    argument it takes (Horovod passes neither ``op`` nor ``groups`` on and refuses Adasum
-    there; hora passes both, and Keras Adasum is the delta optimizer too).
+    a Keras optimizer (Keras 3, or tf-keras's Keras 2) goes to
+    :func:`hora.tensorflow.keras.DistributedOptimizer` with every argument it takes (Horovod
+    passes neither ``op`` nor ``groups`` on and refuses Adasum there; hora passes both, and
+    Keras 3 Adasum is the delta optimizer too).
 
     Args:
         name: prefix of the reduction names (default ``Distributed<class name>``, with Adasum
@@ -218,7 +204,7 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802 
     """
     if ReduceOp(op) is ReduceOp.Adasum and average_aggregated_gradients:
         raise ValueError("Adasum does not support average_aggregated_gradients == True")
-    if isinstance(optimizer, keras.optimizers.Optimizer):
+    if isinstance(optimizer, keras.optimizers.Optimizer) or is_keras2(optimizer):
         from hora.tensorflow import keras as hora_keras
 
         return hora_keras.DistributedOptimizer(

@@ -24,6 +24,11 @@ NP = 2
 HAVE_TF = importlib.util.find_spec("tensorflow") is not None
 needs_tf = pytest.mark.skipif(not HAVE_TF, reason="tensorflow is not installed "
                               "(pip install hora[tensorflow])")
+HAVE_TF_KERAS = HAVE_TF and importlib.util.find_spec("tf_keras") is not None
+needs_tf_keras = pytest.mark.skipif(not HAVE_TF_KERAS, reason="tf-keras is not installed "
+                                    "(pip install tf-keras, matching tensorflow's version)")
+LEGACY_KERAS_ENV = {"TF_USE_LEGACY_KERAS": "1"}
+"""Makes ``tf.keras`` tf-keras (Keras 2) in the ranks (read when TensorFlow is imported)."""
 
 # Fail fast instead of hanging: stalled ops error out after 20 s, warnings after 5 s. The
 # framework-neutral collective suite lives in tests/torch (it imports no framework).
@@ -46,9 +51,11 @@ def case_ids(group: str) -> list[str]:
     raise AssertionError(f"{group}.py has no CASE_IDS")
 
 
-def run_cases(group: str, np_: int = NP, timeout: float = 240.0) -> CaseJob:
-    """`hora run -np N python tf_worker.py GROUP`, its process group killed on timeout."""
-    return run_job(np_, [WORKER, group], JOB_ENV, HERE, timeout)
+def run_cases(group: str, np_: int = NP, timeout: float = 240.0,
+              env: dict[str, str] | None = None) -> CaseJob:
+    """`hora run -np N python tf_worker.py GROUP` (``env`` added to the job's environment),
+    its process group killed on timeout."""
+    return run_job(np_, [WORKER, group], {**JOB_ENV, **(env or {})}, HERE, timeout)
 
 
 def run_command(args: list[str], np_: int = NP, timeout: float = 240.0,

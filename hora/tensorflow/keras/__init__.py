@@ -1,5 +1,5 @@
-"""hora.tensorflow.keras: Horovod's Keras API for Keras 3 on TensorFlow
-(``import hora.tensorflow.keras as hvd``; :mod:`hora.keras` is the same module's API).
+"""hora.tensorflow.keras: Horovod's Keras API on TensorFlow, for Keras 3 and for Keras 2 through
+tf-keras (``import hora.tensorflow.keras as hvd``; :mod:`hora.keras` is the same module's API).
 
 ::
 
@@ -11,6 +11,12 @@
 
 The value helpers (``allreduce``, ``allgather``, ``broadcast``, ``reducescatter``) evaluate
 and return numpy values, as Horovod's Keras helpers do.
+
+Keras 2: with ``TF_USE_LEGACY_KERAS=1`` set before TensorFlow is imported (``pip install
+tf-keras``), ``tf.keras`` is tf-keras and this module serves Horovod's Keras 2 semantics: the
+callbacks, ``load_model`` and the elastic callbacks follow ``tf.keras``
+(:mod:`hora.tensorflow.keras_flavor`); ``DistributedOptimizer`` follows the optimizer's class
+(:mod:`hora.tensorflow.keras.keras2_optimizer` for any tf-keras optimizer).
 """
 
 from __future__ import annotations
@@ -60,6 +66,8 @@ from hora.tensorflow.compression import Compression, Compressor
 from hora.tensorflow.functions import allgather_object, broadcast_object
 from hora.tensorflow.keras import callbacks, elastic
 from hora.tensorflow.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
+from hora.tensorflow.keras.wrapping import loading_class
+from hora.tensorflow.keras_flavor import keras_of_tf, legacy_keras
 
 
 def broadcast_global_variables(root_rank: int) -> None:
@@ -106,20 +114,29 @@ def reducescatter(value: Any, name: str | None = None,
 def load_model(filepath: Any, custom_optimizers: Any = None, custom_objects: Any = None,
                compression: type[Compressor] = Compression.none,
                legacy_opts: bool = False) -> Any:
-    """``keras.models.load_model`` whose optimizer comes back wrapped in
+    """``load_model`` of whichever Keras ``tf.keras`` is, whose optimizer comes back wrapped in
     :func:`DistributedOptimizer` (every built-in Keras optimizer and ``custom_optimizers``).
-    ``legacy_opts`` is accepted for Horovod compatibility (Keras 3 has no legacy
-    optimizers)."""
+    With Keras 3 ``legacy_opts`` is accepted for Horovod compatibility (Keras 3 has no legacy
+    optimizers); with tf-keras it picks ``tf.keras.optimizers.legacy`` classes for the saved
+    optimizers, which otherwise follow the saved config
+    (:func:`~hora.tensorflow.keras.keras2_optimizer.load_objects`)."""
+    if legacy_keras():
+        from hora.tensorflow.keras.keras2_optimizer import load_objects
+
+        keras2 = keras_of_tf()
+        objects = load_objects(
+            keras2, custom_optimizers,
+            lambda opt: DistributedOptimizer(opt, compression=compression), legacy_opts)
+        objects.update(custom_objects or {})
+        return keras2.models.load_model(filepath, custom_objects=objects)
     classes = [c for c in vars(keras.optimizers).values()
                if isinstance(c, type) and issubclass(c, keras.optimizers.Optimizer)]
     classes += list(custom_optimizers or [])
     wrapped: dict[str, Any] = {}
     for cls in classes:
-        def from_config(_cls: Any, config: dict[str, Any], custom_objects: Any = None,
-                        base: Any = cls) -> Any:
+        def make(config: dict[str, Any], base: Any = cls) -> Any:
             return DistributedOptimizer(base.from_config(config), compression=compression)
-        wrapped[cls.__name__] = type(cls.__name__, (cls,),
-                                     {"from_config": classmethod(from_config)})
+        wrapped[cls.__name__] = loading_class(cls, make)
     wrapped.update(custom_objects or {})
     return keras.models.load_model(filepath, custom_objects=wrapped)
 

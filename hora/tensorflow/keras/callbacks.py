@@ -11,19 +11,29 @@
 
 Keras 3 compiles ``momentum`` into the train step as a constant, so momentum correction is
 applied only to optimizers whose ``momentum`` is a variable (see docs/tensorflow.md).
+
+The classes subclass the callbacks of whichever Keras ``tf.keras`` is
+(:func:`~hora.tensorflow.keras_flavor.legacy_keras`): Keras 3's, or tf-keras's (Keras 2, under
+``TF_USE_LEGACY_KERAS=1``), where the learning-rate callbacks read and write
+``optimizer.lr`` as Horovod's Keras 2 callbacks do.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
-import keras
 import tensorflow as tf
-from keras.src.utils import io_utils
 
 import hora
+from hora.tensorflow.keras_flavor import keras_of_tf, legacy_keras
 from hora.tensorflow.mpi_ops import broadcast_, grouped_allreduce
+
+_KERAS2 = legacy_keras()
+keras: Any = keras_of_tf() if _KERAS2 else importlib.import_module("keras")
+io_utils: Any = importlib.import_module(
+    "tf_keras.src.utils.io_utils" if _KERAS2 else "keras.src.utils.io_utils")
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -41,7 +51,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         found = list(self.model.variables)
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None:
-            found += list(optimizer.variables)
+            opt_vars = optimizer.variables  # a method on tf-keras legacy optimizers
+            found += list(opt_vars() if callable(opt_vars) else opt_vars)
         seen: set[int] = set()
         out = []
         for v in found:
@@ -78,12 +89,25 @@ class MetricAverageCallback(keras.callbacks.Callback):
             logs[k] = float(v.numpy())
 
 
+def _value(x: Any) -> float:
+    if _KERAS2:
+        return float(keras.backend.get_value(x))
+    return float(keras.ops.convert_to_numpy(x))
+
+
 def _get_lr(optimizer: Any) -> float:
-    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+    return _value(optimizer.lr if _KERAS2 else optimizer.learning_rate)
 
 
 def _set_lr(optimizer: Any, value: float) -> None:
-    optimizer.learning_rate = value
+    if _KERAS2:
+        optimizer.lr = value
+    else:
+        optimizer.learning_rate = value
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, tf.Variable) if _KERAS2 else isinstance(x, keras.Variable)
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):
@@ -126,9 +150,9 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         old_lr = _get_lr(optimizer)
         new_lr = self.initial_lr * self.multiplier(epoch)
         _set_lr(optimizer, new_lr)
-        momentum = getattr(optimizer, "momentum", None)
-        if (self.momentum_correction and old_lr and isinstance(momentum, keras.Variable)):
-            self.restore_momentum = float(keras.ops.convert_to_numpy(momentum))
+        momentum: Any = getattr(optimizer, "momentum", None)
+        if self.momentum_correction and old_lr and _is_variable(momentum):
+            self.restore_momentum = _value(momentum)
             momentum.assign(self.restore_momentum * new_lr / old_lr)
 
     def _restore_momentum_if_needed(self) -> None:

@@ -28,6 +28,9 @@ Callbacks (Horovod's, with the differences noted on each):
 * :class:`UpdateBatchStateCallback`: ``state.batch`` = batches of the current epoch done;
 * :class:`UpdateEpochStateCallback`: ``state.epoch`` = epochs done.
 
+With ``TF_USE_LEGACY_KERAS=1`` (``tf.keras`` is tf-keras, Keras 2) the same classes serve
+tf-keras models, optimizers and ``fit``.
+
 A Keras 3 callback cannot shorten an epoch that ``fit`` has started, so the training function
 passes ``fit`` the batches still to do, as above (Horovod's examples call ``fit`` once with
 ``epochs=total - state.epoch``; that works too, but repeats the committed batches of a resumed
@@ -36,12 +39,15 @@ epoch).
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
-
-import keras
 
 from hora.elastic.state import ObjectState
 from hora.tensorflow.elastic import TensorFlowKerasState, run
+from hora.tensorflow.keras_flavor import keras_of_tf, legacy_keras
+
+# the callbacks subclass those of whichever Keras tf.keras is (tf-keras: Keras 2)
+keras: Any = keras_of_tf() if legacy_keras() else importlib.import_module("keras")
 
 
 class KerasState(TensorFlowKerasState):

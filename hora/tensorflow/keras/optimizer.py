@@ -15,6 +15,10 @@ step. Keras averages the accumulated gradients; with ``average_aggregated_gradie
 
 These are Keras 3 internals (``_backend_apply_gradients``, ``_clip_gradients``): hora checks
 that they exist when it wraps an optimizer.
+
+A tf-keras (Keras 2) optimizer is wrapped by :mod:`hora.tensorflow.keras.keras2_optimizer`
+(Horovod's Keras 2 wrapper) with the same checked options and the same kind of runtime class
+(:mod:`hora.tensorflow.keras.wrapping`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from hora.core import distopt
 from hora.core.process_set import ProcessSet, global_process_set
 from hora.tensorflow.compression import Compression, Compressor
 from hora.tensorflow.gradients import GradientReducer
+from hora.tensorflow.keras.wrapping import Options, runtime_class
+from hora.tensorflow.keras_flavor import is_keras2
 
 _HOOKS = ("_backend_apply_gradients", "_clip_gradients")
 
@@ -56,26 +62,23 @@ class _DistributedOptimizer(keras.optimizers.Optimizer):
         self._hora_reducer.register_local(var)
 
 
-def _build(optimizer: Any, reducer: GradientReducer, backward_passes_per_step: int,
-           average_aggregated_gradients: bool, mixin: type = _DistributedOptimizer) -> Any:
+def _build(optimizer: Any, options: Options, mixin: type = _DistributedOptimizer) -> Any:
     base = optimizer.__class__
     missing = [h for h in _HOOKS if not hasattr(base, h)]
     if missing:
-        raise TypeError(f"DistributedOptimizer needs a Keras 3 optimizer; {base.__name__} has "
-                        f"no {', '.join(missing)} (keras {keras.__version__}).")
-    namespace = {k: v for k, v in mixin.__dict__.items()
-                 if k not in ("__dict__", "__weakref__")}
-    namespace.update(_hora_base=base, __module__=base.__module__,
-                     __qualname__=base.__qualname__)
-    cls: Any = type(base.__name__, (base,), namespace)
+        raise TypeError(f"DistributedOptimizer needs a Keras 3 optimizer (or a tf-keras one); "
+                        f"{base.__name__} has no {', '.join(missing)} "
+                        f"(keras {keras.__version__}).")
+    cls = runtime_class(base, mixin)
+    passes = options.backward_passes_per_step
     config = optimizer.get_config()
-    if backward_passes_per_step > 1:
-        config["gradient_accumulation_steps"] = backward_passes_per_step
+    if passes > 1:
+        config["gradient_accumulation_steps"] = passes
     opt = cls.from_config(config)
-    opt._hora_reducer = reducer
+    opt._hora_reducer = options.reducer()
     opt._hora_variables = []
-    if backward_passes_per_step > 1 and not average_aggregated_gradients:
-        opt._hora_sum_factor = float(backward_passes_per_step)
+    if passes > 1 and not options.average_aggregated_gradients:
+        opt._hora_sum_factor = float(passes)
     return opt
 
 
@@ -91,8 +94,9 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802 
     before each update.
 
     Args:
-        optimizer: any Keras 3 optimizer; the result is a fresh instance of its class (same
-            name) built from its config.
+        optimizer: any Keras 3 optimizer, or a tf-keras (Keras 2) one, new or legacy
+            (:mod:`hora.tensorflow.keras.keras2_optimizer`); the result is a fresh instance of
+            its class (same name) built from its config.
         name: prefix of the allreduce names (default ``Distributed<class name>``).
         compression: ``Compression.none`` or ``Compression.fp16`` (or your own compressor).
         sparse_as_dense: allreduce ``tf.IndexedSlices`` gradients as dense tensors.
@@ -110,8 +114,8 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802 
             set size.
 
     Raises:
-        ValueError: an op other than Average/Sum/Adasum, or invalid options (see
-            :mod:`hora.core.distopt`).
+        ValueError: an op other than Average/Sum/Adasum (Average/Sum for tf-keras), or
+            invalid options (see :mod:`hora.core.distopt`).
         NotImplementedError: ``op=Adasum`` with a process set other than the global one, or
             ranks (hosts, when hierarchical) that are not a power of two.
     """
@@ -122,18 +126,26 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802 
                                    num_groups, groups)
     if isinstance(groups, list):
         distopt.check_explicit_groups(groups, lambda v: hasattr(v, "shape"), "Keras variables")
+    keras2 = is_keras2(optimizer)
+    if keras2 and ReduceOp(op) is ReduceOp.Adasum:
+        raise ValueError("op=Adasum (hora's delta optimizer) needs a Keras 3 optimizer; with "
+                         "tf-keras, DistributedOptimizer supports op=Average or op=Sum, as "
+                         "Horovod's does.")
     delta = distopt.adasum_active(op, process_set)
     kind = "DistributedDelta" if delta else "Distributed"  # Horovod's TF1 prefixes
-    prefix = name or f"{kind}{type(optimizer).__name__}"
-    reducer = GradientReducer(prefix, compression, sparse_as_dense, op,
-                              gradient_predivide_factor, groups, process_set,
-                              scale_local_gradients)
+    options = Options(name or f"{kind}{type(optimizer).__name__}", compression,
+                      sparse_as_dense, op, gradient_predivide_factor, groups, process_set,
+                      scale_local_gradients, backward_passes_per_step,
+                      average_aggregated_gradients)
+    if keras2:
+        from hora.tensorflow.keras.keras2_optimizer import build as build_keras2
+
+        return build_keras2(optimizer, options)
     if delta:
         from hora.tensorflow.keras.adasum_optimizer import _DistributedAdasumOptimizer
 
-        return _build(optimizer, reducer, backward_passes_per_step,
-                      average_aggregated_gradients, _DistributedAdasumOptimizer)
-    return _build(optimizer, reducer, backward_passes_per_step, average_aggregated_gradients)
+        return _build(optimizer, options, _DistributedAdasumOptimizer)
+    return _build(optimizer, options)
 
 
 def PartialDistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
