@@ -211,6 +211,8 @@ class Config:
     hostname: str = ""
     elastic: bool = False
     elastic_timeout: float = 600.0
+    elastic_replace_limit: int = 5
+    elastic_replace_backoff: float = 1.0
     autotune: bool = False
     autotune_log: str = ""
     autotune_warmup_samples: int = 3

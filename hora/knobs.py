@@ -212,6 +212,14 @@ KNOBS: tuple[Knob, ...] = (
     _k("elastic", bool, False, None,
        "Set by an elastic launcher for its ranks: DistributedOptimizer registers its hooks even "
        "while the job has one rank (it may grow)."),
+    _k("elastic_replace_limit", int, 5, "--elastic-replace-limit",
+       "Elastic mode: on a host the job cannot go on without (it is never blacklisted), failed "
+       "workers replaced once its failures reach the blacklisting threshold; past this the host "
+       "takes no new worker (its running workers go on).", alias=False, maximum=1000,
+       zero_means="no replacement"),
+    _k("elastic_replace_backoff", float, 1.0, "--elastic-replace-backoff",
+       "Elastic mode: seconds before the first such replacement on a host, doubling with each "
+       "one (at most 60).", alias=False, maximum=60.0, zero_means="at once"),
     _k("thread_affinity", str, "", "--thread-affinity",
        "Comma list of CPU cores, one per local rank (Linux): local rank i pins hora's "
        "background threads (the engine thread and the fast-lane threads it starts) to core i "

@@ -13,8 +13,9 @@
 The wrapper loops: ``state.sync()`` (skipped when only hosts were removed), then ``func(state)``.
 
 * a collective fails (:class:`~hora.errors.HorovodInternalError`: a peer died or stalled):
-  ``state.restore()`` rolls back to the last commit, then the world is rebuilt without the lost
-  worker and ``func`` runs again from there;
+  the peers the error names are reported to the driver (:mod:`hora.rendezvous.elastic_report`:
+  a hung peer is dropped, not waited for), ``state.restore()`` rolls back to the last commit,
+  then the world is rebuilt without the lost worker and ``func`` runs again from there;
 * ``commit()`` finds that hosts changed (:class:`~hora.errors.HostsUpdatedInterrupt`): no
   rollback; the world is rebuilt with the newcomers, who get the state in the next ``sync()``;
 * anything else propagates (the worker exits, the driver counts a failure).
@@ -32,8 +33,9 @@ from typing import Any, TypeVar
 
 from hora._util.log import get_logger
 from hora.elastic.state import State
-from hora.errors import HorovodInternalError, HostsUpdatedInterrupt
-from hora.rendezvous.elastic import session
+from hora.errors import HoraError, HorovodInternalError, HostsUpdatedInterrupt
+from hora.rendezvous.elastic import SCOPE, session
+from hora.rendezvous.elastic_report import LostReport, encode_report, lost_key, named_ranks
 
 log = get_logger(__name__)
 
@@ -64,6 +66,7 @@ def run_fn(func: F, reset: Callable[[], None]) -> F:
                 failed = time.monotonic()
                 log.warning("a collective failed (%s); rolling back to the last commit and "
                             "rebuilding the world", _first_line(exc))
+                report_lost(exc)
                 state.restore()
                 skip_sync = False
                 failures = failures + 1 if state._commit_count == commits else 1
@@ -93,9 +96,28 @@ def reset() -> None:
     context.init()
 
 
+def report_lost(exc: BaseException) -> None:
+    """Tell the driver which peers of this generation ``exc`` names (none: nothing is posted).
+    Never raises: the report only speeds up the driver's decision."""
+    worker = session(connect=False)
+    if worker is None:
+        return
+    from hora.core import context
+
+    own = context.get().rank if context.is_initialized() else None
+    ranks = named_ranks(str(exc), own)
+    if not ranks:
+        return
+    report = LostReport(worker.generation, ranks, _first_line(exc))
+    try:
+        worker.client.set(SCOPE, lost_key(worker.worker_id), encode_report(report))
+    except (HoraError, OSError) as err:
+        log.debug("could not report the lost peers %s to the driver: %s", ranks, err)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-__all__ = ["reset", "run_fn"]
+__all__ = ["report_lost", "reset", "run_fn"]

@@ -47,6 +47,7 @@ _KNOB_GROUP: dict[str, str] = {
     "thread_affinity": "library", "gloo_timeout_seconds": "library",
     "timeout_seconds": "library", "log_level": "logging", "log_hide_time": "logging",
     "data_plane": "controller",
+    "elastic_replace_limit": "elastic", "elastic_replace_backoff": "elastic",
 }
 
 # Knobs whose flags are written by hand below instead of generated.

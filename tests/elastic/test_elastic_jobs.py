@@ -91,16 +91,6 @@ def test_survivors_below_min_np_fail_after_the_elastic_timeout(tmp_path: Path) -
     assert "ElasticError: the elastic job failed: only 1 worker(s)" in worker0
 
 
-def test_repeated_failures_on_a_host_blacklist_it(tmp_path: Path) -> None:
-    # worker 2 is killed, its replacement (worker 3) crashes at start: 2 failures on localhost.
-    result = elastic_job("-np", "3", "--min-np", "2", "--max-np", "3", "--elastic-timeout",
-                         "5", EW_KILL="2:6", EW_CRASH="3", EW_STEPS="1000")
-    assert result.rc == 1, result.err[-3000:]
-    messages = "\n".join(result.hora_messages())
-    assert "worker 3 on localhost exited with code 1; localhost is blacklisted" in messages
-    assert "every host that ran workers is blacklisted" in messages
-
-
 def test_discovery_failing_at_start_ends_the_job_at_once(tmp_path: Path) -> None:
     script = tmp_path / "discover.sh"
     script.write_text("#!/bin/sh\necho 'no cluster here' >&2\nexit 4\n")

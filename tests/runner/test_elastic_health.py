@@ -11,7 +11,8 @@ import threading
 import pytest
 
 from hora.errors import ConfigError
-from hora.runner.elastic.health import HostHealth
+from hora.runner.elastic.health import BACKOFF_CAP_S, HostHealth, Replacements
+from hora.runner.elastic.hostpolicy import HostPolicy
 
 
 class Clock:
@@ -198,3 +199,87 @@ def test_real_clock_and_threads() -> None:
         thread.join(timeout=10)
     assert results.count(True) == 1  # exactly the 50th failure blacklisted it
     assert h.blacklisted() == ["a"]
+
+
+# ---- hosts the job cannot go on without ---------------------------------------------------------
+
+def test_a_host_the_job_cannot_spare_is_never_blacklisted_and_its_failures_are_kept() -> None:
+    h, _ = health()
+    assert h.kept("a") == 0
+    assert h.record_failure("a", can_spare=False) is False and h.kept("a") == 0  # below
+    assert h.record_failure("a", can_spare=False) is False and h.kept("a") == 1  # threshold
+    assert h.record_failure("a", can_spare=False) is False and h.kept("a") == 2
+    assert not h.is_blacklisted("a") and h.failures("a") == 3
+    assert h.record_failure("a") is True  # once the job can go on without it
+
+
+def test_replacements_back_off_double_and_stop_past_the_limit() -> None:
+    clock = Clock()
+    r = Replacements(0.5, 3, clock=clock)
+    assert r.may_start("a")
+    assert [r.failed("a", n) for n in (1, 2, 3)] == [0.5, 1.0, 2.0]
+    assert not r.may_start("a") and r.may_start("b")
+    clock.advance(1.99)
+    assert not r.may_start("a")
+    clock.advance(0.01)
+    assert r.may_start("a") and r.closed() == {}
+    assert r.failed("a", 4) is None  # past the limit: closed for good
+    clock.advance(1e6)
+    assert not r.may_start("a") and r.closed() == {"a": 4}
+
+
+def test_the_replacement_backoff_is_capped() -> None:
+    r = Replacements(10.0, 100, clock=Clock())
+    assert r.failed("a", 20) == BACKOFF_CAP_S
+
+
+def test_a_replace_limit_of_zero_closes_the_host_at_its_threshold() -> None:
+    r = Replacements(1.0, 0, clock=Clock())
+    assert r.failed("a", 1) is None and not r.may_start("a")
+
+
+NAMES = {"min_np": "--min-np", "cooldown_range": "--blacklist-cooldown-range",
+         "replace_limit": "--elastic-replace-limit"}
+
+
+def test_host_policy_blacklists_only_what_the_job_can_spare() -> None:
+    policy = HostPolicy(2, None, NAMES)
+    policy.configure(1.0, 5)
+    usable = {"a": 2, "b": 1}
+    live = {"a": 2, "b": 1}
+    assert policy.failed("b", usable, live, live) == (False, "")
+    blacklisted, note = policy.failed("b", usable, live, live)  # a's 2 slots meet --min-np 2
+    assert blacklisted and note.startswith("; b is blacklisted after repeated failures")
+    usable = policy.usable(usable)
+    assert usable == {"a": 2}
+    live = {"a": 1}
+    assert policy.failed("a", usable, live, live) == (False, "")
+    blacklisted, note = policy.failed("a", usable, live, live)  # nothing else: kept
+    assert not blacklisted
+    assert note == ("; a is not blacklisted: the job cannot go on without it (the other hosts "
+                    "have fewer than --min-np 2 slots) and 1 worker(s) still train there; a new "
+                    "worker may start there in 1 s (replacement 1 of --elastic-replace-limit 5)")
+    assert not policy.may_start("a") and policy.stuck(usable, fixed=True) == ""
+
+
+def test_host_policy_says_when_no_worker_can_be_added() -> None:
+    policy = HostPolicy(2, None, {k: v for k, v in NAMES.items() if k != "replace_limit"})
+    policy.configure(0.0, 0)
+    usable = {"a": 3}
+    policy.failed("a", usable, {"a": 2}, {"a": 2})
+    _, note = policy.failed("a", usable, {"a": 1}, {"a": 1})
+    assert note.endswith("the replacements allowed there (HORA_ELASTIC_REPLACE_LIMIT 0) are "
+                         "used up: it takes no new worker (its running workers go on)")
+    assert policy.stuck(usable, fixed=False) == ""  # discovery may list another host
+    assert policy.stuck(usable, fixed=True) == (
+        "a takes no new worker (the replacements allowed there, HORA_ELASTIC_REPLACE_LIMIT 0, "
+        "are used up)")
+
+
+def test_a_host_without_healthy_workers_is_blacklisted_even_if_it_is_the_last() -> None:
+    # every worker fails (a script that crashes at start): the job must end, not loop
+    policy = HostPolicy(2, None, NAMES)
+    usable = {"a": 2}
+    assert policy.failed("a", usable, {"a": 1}, {}) == (False, "")
+    blacklisted, _ = policy.failed("a", usable, {"a": 1}, {})
+    assert blacklisted and policy.usable(usable) == {}

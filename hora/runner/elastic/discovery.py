@@ -13,19 +13,22 @@ Runner layer. The elastic driver polls a :class:`HostDiscovery` (about once a se
 * :class:`FixedHosts` (``-H`` / ``--hostfile`` with ``--min-np``) always answers the same hosts.
 
 Every failure of a script (non-zero exit, death by signal, not found or not executable,
-timeout, malformed or non-UTF-8 output) raises :class:`hora.errors.DiscoveryError` whose message
-names the script and says what to fix. The script runs in its own process group; on timeout the
-whole group is killed, so a script that started helpers leaves none behind. Host names use the
-same characters as ``-H`` (``[\\w.-]+``; IPv6 literals are not accepted).
+timeout, more than :data:`MAX_OUTPUT_BYTES` on stdout, malformed or non-UTF-8 output) raises
+:class:`hora.errors.DiscoveryError` whose message names the script and says what to fix. The
+script runs in its own process group; on a timeout, too much output, or
+:meth:`HostDiscoveryScript.close` (the job ends, Ctrl-C) the whole group is killed, so a script
+that started helpers leaves none behind. Host names use the same characters as ``-H``
+(``[\\w.-]+``; IPv6 literals are not accepted).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import selectors
 import signal
 import subprocess
-import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -35,11 +38,16 @@ from hora.runner.hosts import HostSlots
 
 log = get_logger(__name__)
 
-POLL_EVERY_S = 1.0
-"""How often the driver runs discovery (Horovod's period)."""
-
 STDERR_TAIL_LINES = 5
 """How many of the last stderr lines of a failed script its error shows."""
+
+MAX_OUTPUT_BYTES = 1 << 20
+"""The most a script may print on stdout in one run (1 MiB: some 50,000 hosts); more is an
+error naming the script, and it is killed. Of its stderr only the last 64 KiB are kept."""
+
+_STDERR_KEPT = 64 * 1024
+_CHUNK = 64 * 1024
+_CHECK_EVERY_S = 0.1  # how often a run in progress checks for close()
 
 _LINE = re.compile(r"(?P<host>[\w.-]+)(?::(?P<slots>-?[0-9]+))?")
 _LINE_FORMAT = "<hostname>[:<slots>]"
@@ -83,6 +91,8 @@ class HostDiscoveryScript:
         self.default_slots = default_slots
         self.timeout = timeout
         self._what = f"host discovery script {script!r}"
+        self._proc: subprocess.Popen[bytes] | None = None  # the run in progress
+        self._closed = False
 
     def __repr__(self) -> str:
         return f"HostDiscoveryScript({self.script!r}, default_slots={self.default_slots})"
@@ -98,8 +108,18 @@ class HostDiscoveryScript:
         log.debug("%s found %s", self._what, describe(hosts))
         return hosts
 
+    def close(self) -> None:
+        """Run no more: kill the script running now with its process group (the job ends, or
+        the launcher got Ctrl-C). Safe from another thread and from a signal handler."""
+        self._closed = True
+        proc = self._proc
+        if proc is not None:
+            _signal_group(proc)
+
     def _run(self) -> bytes:
         """The script's stdout, once it exited with status 0."""
+        if self._closed:
+            raise DiscoveryError(f"{self._what} was not run: discovery has stopped")
         try:
             proc = subprocess.Popen(["/bin/sh", "-c", self.script], stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -107,18 +127,17 @@ class HostDiscoveryScript:
         except OSError as exc:
             raise DiscoveryError(f"Failed to execute {self._what}: cannot start /bin/sh: "
                                  f"{exc.strerror or exc}") from None
+        self._proc = proc
         try:
-            out, err = proc.communicate(timeout=self.timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            raise DiscoveryError(
-                f"{self._what} did not finish within its timeout of {self.timeout:g} s (it, or a "
-                "process it started, kept its output open); it was killed with its process "
-                "group. It runs about every second: make it print the hosts and exit "
-                "quickly") from None
+            if self._closed:  # close() ran while the script was being started
+                _signal_group(proc)
+            out, err = self._read(proc)
         except BaseException:
             _kill_group(proc)
             raise
+        finally:
+            self._proc = None
+            _close_pipes(proc)
         code = proc.returncode
         if code == 0:
             return out
@@ -136,6 +155,57 @@ class HostDiscoveryScript:
         elif code > 128 and code - 128 < signal.NSIG:
             hint = f" (a command it ran was killed by signal {_signal_name(code - 128)})"
         raise DiscoveryError(f"{self._what} failed with exit code {code}{hint}{tail}")
+
+    def _read(self, proc: subprocess.Popen[bytes]) -> tuple[bytes, bytes]:
+        """Read the script's stdout (at most :data:`MAX_OUTPUT_BYTES`) and the tail of its
+        stderr until both close, then wait for it to exit, all within ``timeout``.
+
+        Raises:
+            DiscoveryError: too much output, the timeout, or :meth:`close` (the script is
+                killed with its process group first).
+        """
+        assert proc.stdout is not None and proc.stderr is not None
+        deadline = time.monotonic() + self.timeout
+        out, err = bytearray(), bytearray()
+        streams = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+        with selectors.DefaultSelector() as sel:
+            for fd in streams:
+                sel.register(fd, selectors.EVENT_READ)
+            while streams and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                for key, _ in sel.select(min(left, _CHECK_EVERY_S)):
+                    chunk = os.read(key.fd, _CHUNK)
+                    if not chunk:
+                        sel.unregister(key.fd)
+                        del streams[key.fd]
+                        continue
+                    buf = streams[key.fd]
+                    buf += chunk
+                    if buf is err and len(err) > _STDERR_KEPT:
+                        del err[:len(err) - _STDERR_KEPT]
+                    elif buf is out and len(out) > MAX_OUTPUT_BYTES:
+                        _kill_group(proc)
+                        raise DiscoveryError(
+                            f"{self._what} printed more than {MAX_OUTPUT_BYTES} bytes (1 MiB) "
+                            "on stdout; it was killed with its process group. It must print "
+                            f"only the usable hosts, one {_LINE_FORMAT} per line (send logs to "
+                            "stderr, and end the script after printing)")
+        while not self._closed and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(min(_CHECK_EVERY_S, max(0.0, deadline - time.monotonic())))
+        if self._closed:
+            _kill_group(proc)
+            raise DiscoveryError(f"{self._what} was stopped (the job is ending); it was killed "
+                                 "with its process group")
+        if proc.poll() is None or streams:
+            _kill_group(proc)
+            raise DiscoveryError(
+                f"{self._what} did not finish within its timeout of {self.timeout:g} s (it, or a "
+                "process it started, kept its output open); it was killed with its process "
+                "group. It runs about every second: make it print the hosts and exit "
+                "quickly")
+        return bytes(out), bytes(err)
 
     def _parse(self, out: bytes) -> dict[str, int]:
         try:
@@ -203,19 +273,30 @@ def describe(hosts: Mapping[str, int]) -> str:
     return ", ".join(f"{host}:{slots}" for host, slots in hosts.items()) or "no hosts"
 
 
+def _signal_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the script's process group (the group is proc.pid's until proc is reaped)."""
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL the script's process group, then reap the script (bounded: never hangs)."""
+    """SIGKILL the script's process group, close its pipes (a process that left the group and
+    still writes gets SIGPIPE), then reap the script (bounded: never hangs)."""
+    _signal_group(proc)
+    _close_pipes(proc)
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the group is proc.pid's until proc is reaped
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.communicate(timeout=5.0)
-    except subprocess.TimeoutExpired:  # a process that left the group holds the pipes open
-        for pipe in (proc.stdout, proc.stderr):
-            if pipe is not None:
-                pipe.close()
-        proc.wait()
+        proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        log.warning("the host discovery script (pid %d) did not end 5 s after SIGKILL", proc.pid)
+
+
+def _close_pipes(proc: subprocess.Popen[bytes]) -> None:
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
 
 
 def _stderr_tail(err: bytes) -> str:
@@ -236,34 +317,4 @@ def _signal_name(number: int) -> str:
     except ValueError:
         return str(number)
 
-
-
-
-
-class DiscoveryPoller(threading.Thread):
-    """Runs ``source`` every :data:`POLL_EVERY_S` seconds in the background (Horovod's rule);
-    the driver reads the latest good result in ``hosts`` and the latest failure (None after a
-    success) in ``error``: failures after the first poll are reported and retried, the last
-    good host list stays in use."""
-
-    def __init__(self, source: HostDiscovery, first: dict[str, int]) -> None:
-        super().__init__(daemon=True, name="hora-discovery")
-        self._source = source
-        self.hosts = first
-        self.error: str | None = None
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        while not self._stop_event.wait(POLL_EVERY_S):
-            try:
-                self.hosts = self._source.find_available_hosts_and_slots()
-                self.error = None
-            except DiscoveryError as exc:
-                self.error = str(exc)
-
-    def stop(self) -> None:
-        self._stop_event.set()
-
-
-__all__ = [
-    "DiscoveryPoller", "FixedHosts", "HostDiscovery", "HostDiscoveryScript", "describe"]
+__all__ = ["MAX_OUTPUT_BYTES", "FixedHosts", "HostDiscovery", "HostDiscoveryScript", "describe"]

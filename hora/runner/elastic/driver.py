@@ -9,9 +9,14 @@ train together, their ranks and size (protocol: :mod:`hora.rendezvous.elastic`; 
 
 * **A worker fails** (exits non-zero): its host's failure is counted (:mod:`.health`: a host
   is blacklisted on its second failure, so one crash on a healthy machine does not take the
-  machine out), the survivors' collectives fail, they roll back to their last commit and say
-  they are ready; when every surviving member is ready the driver forms the next generation
-  from them. Meanwhile a replacement is started on a free slot: it joins at a later commit.
+  machine out, and only when the job can go on without it; otherwise its failed workers are
+  replaced after a doubling backoff, up to ``--elastic-replace-limit``), the survivors'
+  collectives fail, they roll back to their last commit and say they are ready; when every
+  surviving member is ready the driver forms the next generation from them. Meanwhile a
+  replacement is started on a free slot: it joins at a later commit.
+* **A worker hangs** (SIGSTOP, a debugger): its peers' heartbeats name it; a member that its
+  peers report lost and that does not rejoin is killed with its process group and the others
+  go on without it (:mod:`.lost`).
 * **A newcomer is ready** (a replacement, or a worker on a new host): the driver posts a notice
   for the running generation; at the next ``commit()`` every rank stops, and the next
   generation includes the newcomer.
@@ -30,6 +35,7 @@ import queue
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Mapping
 
 from hora.errors import DiscoveryError, RendezvousTimeoutError
@@ -37,10 +43,13 @@ from hora.rendezvous import elastic as proto
 from hora.rendezvous.kvstore import KVStoreServer
 from hora.rendezvous.store_client import KVStoreClient
 from hora.runner import launch as launch_mod
-from hora.runner.elastic.discovery import DiscoveryPoller, describe
-from hora.runner.elastic.health import HostHealth
-from hora.runner.elastic.members import Member, form_generation, summary
+from hora.runner.elastic.discovery import describe
+from hora.runner.elastic.generations import Generations
+from hora.runner.elastic.hostpolicy import HostPolicy
+from hora.runner.elastic.lost import LostReports
+from hora.runner.elastic.members import Member, summary
 from hora.runner.elastic.options import DEFAULT_ELASTIC_TIMEOUT_S, ElasticOptions
+from hora.runner.elastic.poller import DiscoveryPoller
 from hora.runner.elastic.spawner import ProcessSpawner, Spawner, SpawnError
 from hora.runner.failures import exit_status, signal_name
 from hora.runner.local import _stop_signals
@@ -51,12 +60,13 @@ _STOP_GRACE_S = 10.0  # how long told-to-stop workers get before they are stoppe
 
 CLI_NAMES: Mapping[str, str] = {
     "np": "-np", "min_np": "--min-np", "elastic_timeout": "--elastic-timeout",
-    "reset_limit": "--reset-limit", "cooldown_range": "--blacklist-cooldown-range"}
+    "reset_limit": "--reset-limit", "cooldown_range": "--blacklist-cooldown-range",
+    "replace_limit": "--elastic-replace-limit"}
 """The names the driver's messages give the settings (``hora run``'s flags by default; an API
 with other names passes its own, e.g. ``hora.ray``'s ``min_num_proc``)."""
 
 
-class ElasticDriver:
+class ElasticDriver(Generations):
     """Runs one elastic job; :meth:`run` returns the launcher's exit status.
 
     Args:
@@ -79,7 +89,8 @@ class ElasticDriver:
             spec, options.max_np or spec.np, console)
         self.names = names
         self.failure: str | None = None
-        self.health = HostHealth(options.cooldown_range)
+        self.hosts = HostPolicy(options.min_np, options.cooldown_range, names)
+        self.health = self.hosts.health
         self.members: dict[int, Member] = {}
         self.generation = 0
         self.resets = 0
@@ -95,10 +106,14 @@ class ElasticDriver:
         self._finished_at = 0.0
         self._notice = proto.HostUpdateResult.no_update
         self._late_failures: list[Member] = []
-        self._discovery_error: str | None = None
+        self._running: list[Member] = []  # the members of the running generation when formed
+        self._lost = LostReports()
 
     def on_signal(self, signum: int) -> None:
         self._interrupt = signum
+        close = getattr(self.options.discovery, "close", None)
+        if callable(close):  # a discovery script running now (the first poll) ends at once
+            close()
 
     # ---- set-up -------------------------------------------------------------------------------
 
@@ -110,9 +125,12 @@ class ElasticDriver:
         config = launch_mod.validate(spec, base)
         self.timeout = (config.elastic_timeout if self.options.elastic_timeout is None
                         else self.options.elastic_timeout)
+        self.hosts.configure(config.elastic_replace_backoff, config.elastic_replace_limit)
         try:
             first = self.options.discovery.find_available_hosts_and_slots()
         except DiscoveryError as exc:  # the first poll must work (Horovod's rule)
+            if self._interrupt is not None:
+                return self._interrupted()
             self.failure = f"host discovery failed at start: {exc}"
             self.console.say(f"elastic: {self.failure}")
             return 1
@@ -150,14 +168,11 @@ class ElasticDriver:
         started = time.monotonic()
         while True:
             if self._interrupt is not None:
-                alive = sum(m.alive for m in self.members.values())
-                self.console.say(f"received {signal_name(self._interrupt)}; stopping {alive} "
-                                 "worker(s).")
-                self.console.interrupted(self._interrupt)
-                return exit_status(-self._interrupt)
+                return self._interrupted()
             self._reap()
             self._read_ready()
-            self._report_discovery()
+            for text, verbose_only in self._discovery.messages():
+                self._say(text, verbose_only=verbose_only)
             if self._finished is not None:
                 status = self._finishing()
                 if status is not None:
@@ -169,16 +184,12 @@ class ElasticDriver:
                     return status
             time.sleep(_TICK_S)
 
-    def _report_discovery(self) -> None:
-        error = self._discovery.error
-        if error != self._discovery_error:
-            self._discovery_error = error
-            if error is not None:
-                self._say(f"host discovery failed; keeping the last hosts it listed "
-                          f"({describe(self._discovery.hosts)}) and retrying every second: "
-                          f"{error}")
-            else:
-                self._say("host discovery works again", verbose_only=True)
+    def _interrupted(self) -> int:
+        assert self._interrupt is not None
+        alive = sum(m.alive for m in self.members.values())
+        self.console.say(f"received {signal_name(self._interrupt)}; stopping {alive} worker(s).")
+        self.console.interrupted(self._interrupt)
+        return exit_status(-self._interrupt)
 
     def _all_blacklisted(self) -> int | None:
         """Horovod's rule: when every host that ran workers is blacklisted and none is running,
@@ -195,7 +206,7 @@ class ElasticDriver:
                           "workers' errors above")
 
     def _usable(self) -> dict[str, int]:
-        return self.health.filter(self._discovery.hosts)
+        return self.hosts.usable(self._discovery.hosts)
 
     def _spawn(self) -> None:
         """Start workers on free usable slots, up to --max-np live workers."""
@@ -204,6 +215,8 @@ class ElasticDriver:
         if self.generation == 0 and not self.members:
             room = min(room, max(self.spec.np, sum(self._usable().values())))
         for host, slots in self._usable().items():
+            if not self.hosts.may_start(host):
+                continue
             free = slots - sum(1 for m in live if m.host == host)
             while free > 0 and room > 0:
                 self._start(host)
@@ -246,17 +259,20 @@ class ElasticDriver:
                 continue
             if self._reset_since is None and m.current is not None:
                 self._reset_since = time.monotonic()
-            how = self.spawner.describe_exit(wid, code)
-            blacklisted = self.health.record_failure(m.host)
-            self._say(f"{m.describe()} {how}"
-                      + (f"; {m.host} is blacklisted after repeated failures"
-                         + (f" ({self.names['cooldown_range']} lets it return)"
-                            if self.options.cooldown_range is None else " until its cooldown ends")
-                         if blacklisted else ""))
-            if blacklisted:
-                for other in self.members.values():
-                    if other.alive and other.host == m.host and other.leaving is None:
-                        self._tell(other, proto.Stop("removed", f"host {m.host} is blacklisted"))
+            self._failed(m, code)
+
+    def _failed(self, m: Member, code: int) -> None:
+        """Count ``m``'s failure against its host (:mod:`.hostpolicy`) and say it."""
+        live = Counter(w.host for w in self.members.values() if w.alive and w.leaving is None)
+        healthy = Counter(w.host for w in self.members.values() if w.alive and w.leaving is None
+                          and w.current == self.generation > 0)
+        blacklisted, note = self.hosts.failed(m.host, self._usable(), live, healthy)
+        how = self.spawner.describe_exit(m.wid, code) + (" (killed as lost)" if m.lost else "")
+        self._say(f"{m.describe()} {how}{note}")
+        if blacklisted:
+            for other in self.members.values():
+                if other.alive and other.host == m.host and other.leaving is None:
+                    self._tell(other, proto.Stop("removed", f"host {m.host} is blacklisted"))
 
     def _read_ready(self) -> None:
         events = self._client.add(proto.SCOPE, proto.EVENTS, 0)
@@ -266,6 +282,7 @@ class ElasticDriver:
         for m in self.members.values():
             if not m.alive:
                 continue
+            self._lost.read(self._client, m.wid)  # posted before the worker's ready
             try:
                 raw = self._client.get(proto.SCOPE, proto.ready_key(m.wid), 0.0)
             except RendezvousTimeoutError:
@@ -274,8 +291,11 @@ class ElasticDriver:
 
     def _tell(self, m: Member, answer: proto.Assignment | proto.Stop) -> None:
         """Answer ``m``'s readiness (or pre-answer it: a worker not yet ready reads the answer
-        when it asks). A Stop marks it leaving and its process is stopped if it lingers."""
-        after = m.ready_after if m.ready_after is not None else (m.current or 0)
+        when it asks: a member training now asks after its current generation). A Stop marks it
+        leaving and its process is stopped if it lingers."""
+        after = m.current or 0
+        if m.ready_after is not None and (m.waiting or m.current is None):
+            after = m.ready_after
         self._client.set(proto.SCOPE, proto.answer_key(m.wid, after), proto.encode(answer))
         m.answered = after
         if isinstance(answer, proto.Stop):
@@ -285,111 +305,6 @@ class ElasticDriver:
                 timer = threading.Timer(_STOP_GRACE_S, self.spawner.stop, args=(m.process,))
                 timer.daemon = True  # the launcher's exit stops every worker anyway
                 timer.start()
-
-    # ---- generations --------------------------------------------------------------------------
-
-    def _decide(self, started: float) -> int | None:
-        members = [m for m in self.members.values() if m.current == self.generation
-                   and self.generation > 0]
-        ready = [m for m in self.members.values() if m.waiting and m.leaving is None]
-        newcomers = [m for m in ready if m.ready_after == 0 and m.current is None]
-        if self.generation == 0:
-            pending = [m for m in self.members.values() if m.alive and not m.waiting
-                       and m.leaving is None]
-            if not pending and len(newcomers) >= self.spec.np:
-                return self._form(newcomers, [])
-            if time.monotonic() - started > self.timeout:
-                return self._fail(f"only {len(newcomers)} of the {self.spec.np} workers needed "
-                                  f"to start ({self.names['np']}) were ready after "
-                                  f"{self._timeout_text()}")
-            return None
-        failing = [m for m in members if not m.alive or m.waiting]
-        if not failing:
-            self._post_notice(members, newcomers)
-            return None
-        if self._reset_since is None:
-            self._reset_since = time.monotonic()
-        behind = [m for m in members if m.alive and not m.waiting]
-        if behind:
-            if time.monotonic() - self._reset_since > self.timeout:
-                self._say(f"{summary(behind)} did not rejoin within {self._timeout_text()}; "
-                          "stopping them")
-                for m in behind:
-                    self._tell(m, proto.Stop("failed", "did not rejoin the elastic job in "
-                                                       "time"))
-            return None
-        survivors = [m for m in members if m.waiting]
-        if not survivors:
-            return self._fail("no worker of the previous generation is left, so no one holds "
-                              "the trained state to broadcast (every member failed)")
-        return self._form(survivors + newcomers, members)
-
-    def _form(self, candidates: list[Member], previous: list[Member]) -> int | None:
-        usable = self._usable()
-        for m in candidates:
-            if m.host not in usable:
-                self._tell(m, proto.Stop("removed", f"host {m.host} left the job"))
-        chosen = [m for m in candidates if m.leaving is None]
-        chosen = chosen[:self.options.max_np] if self.options.max_np else chosen
-        if len(chosen) < self.options.min_np:
-            if self._short_since is None:
-                self._short_since = time.monotonic()
-                self._say(f"{len(chosen)} worker(s) ready, fewer than {self.names['min_np']} "
-                          f"{self.options.min_np}; waiting up to {self._timeout_text()} for "
-                          "more")
-            if time.monotonic() - self._short_since > self.timeout:
-                return self._fail(
-                    f"only {len(chosen)} worker(s) ({summary(chosen)}) were ready, fewer than "
-                    f"{self.names['min_np']} {self.options.min_np}, for {self._timeout_text()}; "
-                    f"no new host slots appeared (hosts now: {describe(usable)})")
-            return None
-        if previous:
-            limit = self.options.reset_limit
-            if limit is not None and self.resets >= limit:
-                return self._fail("Horovod was shutdown because number of resets during "
-                                  f"elastic job exceeded limit: {limit} "
-                                  f"({self.names['reset_limit']})")
-            self.resets += 1
-        self._short_since = None
-        self.generation += 1
-        assignments = form_generation(chosen, self.generation)
-        for m in chosen:
-            if m.generation is None:
-                m.generation = self.generation
-            m.current = self.generation
-            self._tell(m, assignments[m.wid])
-        self._notice = proto.HostUpdateResult.no_update
-        left = [m for m in previous if m not in chosen]
-        joined = [m for m in chosen if m.generation == self.generation and previous]
-        cause = "failure" if any(not m.alive for m in previous) else "interruption"
-        since = (f", {time.monotonic() - self._reset_since:.2f} s after the {cause}"
-                 if self._reset_since is not None else "")
-        self._reset_since = None
-        change = "" if not previous else (
-            f" (left: {summary(left)}; joined: {summary(joined)})")
-        self._say(f"generation {self.generation}: {len(chosen)} worker(s){change}{since}",
-                  verbose_only=not previous)
-        if self.spec.verbose:
-            order = sorted(chosen, key=lambda m: assignments[m.wid].rank)
-            self._say("ranks: " + ", ".join(f"{assignments[m.wid].rank}=worker {m.wid}@{m.host}"
-                                            for m in order), verbose_only=True)
-        return None
-
-    def _post_notice(self, members: list[Member], newcomers: list[Member]) -> None:
-        update = proto.HostUpdateResult.no_update
-        room = (self.options.max_np or 1 << 30) - len(members)
-        if newcomers and room > 0:
-            update |= proto.HostUpdateResult.added
-        usable = self._usable()
-        if any(m.host not in usable for m in members):
-            update |= proto.HostUpdateResult.removed
-        if update and (self._notice | update) != self._notice:
-            self._notice |= update
-            self._client.set(proto.SCOPE, proto.notice_key(self.generation),
-                             str(int(self._notice)).encode())
-            self._say(f"notifying generation {self.generation}: hosts "
-                      f"{self._notice.name or 'changed'} (takes effect at its next commit)",
-                      verbose_only=True)
 
     def _finishing(self) -> int | None:
         done = self._finished.describe() if self._finished is not None else "a worker"
@@ -415,6 +330,9 @@ class ElasticDriver:
         for m in self.members.values():
             if m.alive and m.leaving is None:
                 self._tell(m, proto.Stop("failed", f"the elastic job failed: {message}"))
+        # workers still training read their stop when they next ask: make them ask at their
+        # next commit, else they would train on until the grace period ends
+        self._notify(proto.HostUpdateResult.removed)
         deadline = time.monotonic() + _STOP_GRACE_S
         while time.monotonic() < deadline and any(m.alive for m in self.members.values()):
             self._reap()

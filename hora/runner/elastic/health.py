@@ -9,6 +9,12 @@ The rule (hora's, stricter about evidence than Horovod's):
   (default 2): one worker dying on a healthy machine does not take the machine out, repeated
   failures do. ``failures_to_blacklist=1`` is Horovod's rule (first failure blacklists).
   Failures reported while a host is blacklisted (its other workers being stopped) are ignored.
+* A host is blacklisted only when the job can go on without it (the caller says so:
+  ``record_failure(host, can_spare=False)``): blacklisting the last slots a job needs would turn
+  one bad process into a lost job. Such a host's failures keep counting; each one past the
+  threshold is a *kept* failure (:meth:`HostHealth.kept`), and :class:`Replacements` decides
+  when its failed worker is replaced (a doubling backoff) and when the host takes no new worker
+  (past ``--elastic-replace-limit``).
 * Without a cooldown range a blacklisted host never returns (Horovod's default).
 * With ``cooldown_range=(lo, hi)`` (``--blacklist-cooldown-range``) each blacklisting of a host
   increments its counter ``c`` (so the first blacklisting has ``c = 1``) and keeps it out for
@@ -88,11 +94,12 @@ class HostHealth:
         self._resurrected: list[str] = []
         self._lock = threading.Lock()
 
-    def record_failure(self, host: str) -> bool:
+    def record_failure(self, host: str, *, can_spare: bool = True) -> bool:
         """Count one failed worker on ``host``; True when this failure blacklisted it.
 
         A failure on a host that is already blacklisted is ignored (returns False): it neither
-        counts towards a later blacklisting nor lengthens the cooldown.
+        counts towards a later blacklisting nor lengthens the cooldown. With ``can_spare=False``
+        (the job cannot go on without the host) the failure is counted but never blacklists.
         """
         with self._lock:
             now = self._clock()
@@ -104,6 +111,10 @@ class HostHealth:
             if state.failures < self.failures_to_blacklist:
                 log.info("a worker on host %s failed (%d of %d failures that blacklist it)",
                          host, state.failures, self.failures_to_blacklist)
+                return False
+            if not can_spare:
+                log.info("a worker on host %s failed (%d failures); not blacklisting it: the job "
+                         "cannot go on without it", host, state.failures)
                 return False
             state.times_blacklisted += 1
             cooldown = self._cooldown(state.times_blacklisted)
@@ -154,6 +165,11 @@ class HostHealth:
             state = self._hosts.get(host)
             return 0 if state is None else state.failures
 
+    def kept(self, host: str) -> int:
+        """Failures of ``host`` at or past the blacklisting threshold that did not blacklist it
+        (0: none; 1: the failure that would have blacklisted it, ...)."""
+        return max(0, self.failures(host) - self.failures_to_blacklist + 1)
+
     def _cooldown(self, count: int) -> float:
         """Seconds out for a host's ``count``-th blacklisting (Horovod's formula)."""
         if self.cooldown_range is None:
@@ -171,6 +187,49 @@ class HostHealth:
                 log.info("host %s is back from its blacklist cooldown", host)
 
 
+BACKOFF_CAP_S = 60.0
+"""The longest wait before a replacement on a kept host, however many failed before."""
+
+
+class Replacements:
+    """When a kept host (one the job cannot go on without) gets a new worker.
+
+    Its ``n``-th kept failure (:meth:`HostHealth.kept`) delays the next worker started there by
+    ``min(backoff * 2**(n-1), 60)`` seconds; past ``limit`` kept failures the host is *closed*:
+    its running workers go on, it takes no new one for the rest of the job.
+
+    Args:
+        backoff: seconds before the first replacement (``--elastic-replace-backoff``), >= 0.
+        limit: kept failures replaced on a host (``--elastic-replace-limit``), >= 0.
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, backoff: float, limit: int, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.backoff, self.limit = backoff, limit
+        self._clock = clock
+        self._not_before: dict[str, float] = {}
+        self._closed: dict[str, int] = {}
+
+    def failed(self, host: str, kept: int) -> float | None:
+        """``host``'s ``kept``-th kept failure (>= 1): the seconds before its next worker may
+        start, or None when ``kept`` passed the limit and the host is closed now."""
+        if kept > self.limit:
+            self._closed[host] = kept
+            return None
+        delay = min(BACKOFF_CAP_S, self.backoff * 2.0 ** (kept - 1))
+        self._not_before[host] = self._clock() + delay
+        return delay
+
+    def may_start(self, host: str) -> bool:
+        """Whether a new worker may start on ``host`` now."""
+        return host not in self._closed and self._clock() >= self._not_before.get(host, -math.inf)
+
+    def closed(self) -> dict[str, int]:
+        """The closed hosts, each with the kept failures that closed it."""
+        return dict(self._closed)
+
+
 def _check_cooldown_range(cooldown_range: tuple[float, float]) -> None:
     lo, hi = cooldown_range
     given = f"--blacklist-cooldown-range {lo:g} {hi:g}"
@@ -183,4 +242,4 @@ def _check_cooldown_range(cooldown_range: tuple[float, float]) -> None:
                           "MIN MAX")
 
 
-__all__ = ["COOLDOWN_MAX_S", "COOLDOWN_MIN_S", "HostHealth"]
+__all__ = ["BACKOFF_CAP_S", "COOLDOWN_MAX_S", "COOLDOWN_MIN_S", "HostHealth", "Replacements"]

@@ -36,6 +36,9 @@ class Member:
         answered: the ``ready_after`` value the driver last answered.
         exit_code: its exit status once it ended.
         leaving: why the driver told it to go ("removed", "finished", "failed"), or None.
+        rank: its rank in the generation it is a member of now (None: not a member).
+        lost: why the driver dropped it as hung (its peers named it lost and it did not rejoin),
+            or None.
     """
 
     wid: int
@@ -48,6 +51,8 @@ class Member:
     answered: int | None = None
     exit_code: int | None = None
     leaving: str | None = None
+    rank: int | None = None
+    lost: str | None = None
 
     @property
     def alive(self) -> bool:

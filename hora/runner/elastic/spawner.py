@@ -128,6 +128,11 @@ class ProcessSpawner:
     def stop(self, handle: Any) -> None:
         processes.stop_workers([handle], self.console, quiet=True)
 
+    def kill(self, handle: Any) -> None:
+        """Kill one worker now with its process group: it hangs (SIGSTOP, a debugger), so a
+        SIGTERM would wait for it to be continued. (Over ssh the remote side stops it.)"""
+        processes.stop_workers([handle], self.console, quiet=True, kill_now=lambda: True)
+
     def close(self, handles: Sequence[Any]) -> None:
         processes.stop_workers(list(handles), self.console, quiet=True)
         for worker in handles:
