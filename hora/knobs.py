@@ -213,9 +213,10 @@ KNOBS: tuple[Knob, ...] = (
        "Set by an elastic launcher for its ranks: DistributedOptimizer registers its hooks even "
        "while the job has one rank (it may grow)."),
     _k("elastic_replace_limit", int, 5, "--elastic-replace-limit",
-       "Elastic mode: on a host the job cannot go on without (it is never blacklisted), failed "
-       "workers replaced once its failures reach the blacklisting threshold; past this the host "
-       "takes no new worker (its running workers go on).", alias=False, maximum=1000,
+       "Elastic mode: a host that still has training workers and that the job cannot go on "
+       "without is not blacklisted; failed workers replaced there once its failures reach the "
+       "blacklisting threshold (2). Past this, the host takes no new worker (its running "
+       "workers go on).", alias=False, maximum=1000,
        zero_means="no replacement"),
     _k("elastic_replace_backoff", float, 1.0, "--elastic-replace-backoff",
        "Elastic mode: seconds before the first such replacement on a host, doubling with each "
