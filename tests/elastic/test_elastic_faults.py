@@ -5,6 +5,7 @@ timeout and killed with its workers on exit (tests/runner/helpers.Launcher)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -76,6 +77,11 @@ def test_a_hung_worker_is_dropped_and_training_resumes(tmp_path: Path, stopped: 
     assert took < 1.25 * HEARTBEAT_S + LOST_GRACE_S + 5.0, took
     done = result.json_lines("wid")
     assert stopped not in done and len({tuple(d["w"]) for d in done.values()}) == 1
+    # the replacement's join is timed from its own interruption, not from the killed worker's
+    # exit (which came after generation 2 was formed)
+    joined = re.search(r"generation 3: 3 worker\(s\) \(left: none; joined: worker 3 on "
+                       r"localhost\), ([0-9.]+) s after the interruption", messages)
+    assert joined is None or float(joined.group(1)) < 5.0, joined
 
 
 def test_one_host_survives_a_second_death_and_a_crashing_replacement() -> None:

@@ -257,8 +257,8 @@ class ElasticDriver(Generations):
             if self._finished is not None:
                 self._late_failures.append(m)
                 continue
-            if self._reset_since is None and m.current is not None:
-                self._reset_since = time.monotonic()
+            if self._reset_since is None and m.current == self.generation and not m.lost:
+                self._reset_since = time.monotonic()  # (a dropped member left already)
             self._failed(m, code)
 
     def _failed(self, m: Member, code: int) -> None:
