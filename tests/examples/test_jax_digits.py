@@ -44,3 +44,8 @@ def test_jax_digits_two_ranks(tmp_path: Path) -> None:
     match = re.search(r"\[0\]<stdout>:final validation accuracy (\d+\.\d)% \(2 ranks\)", out)
     assert match and float(match.group(1)) >= 90.0, explain
     assert "[1]<stdout>:final validation" not in out, "only rank 0 reports"
+    # each epoch line shows that epoch's own time: together they fit in the total, not grow to it
+    epochs = [float(s) for s in re.findall(r"\[0\]<stdout>:epoch +\d+ .*\((\d+\.\d+) s\)", out)]
+    total = re.search(r"\[0\]<stdout>:trained 6 epochs in (\d+\.\d+) s", out)
+    assert len(epochs) == 6 and total, explain
+    assert sum(epochs) <= float(total.group(1)) + 0.01 * len(epochs), explain
