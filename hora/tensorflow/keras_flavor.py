@@ -34,8 +34,10 @@ def _root_is_keras2(name: str) -> bool:
 
 
 def legacy_keras() -> bool:
-    """True when ``tf.keras`` is Keras 2 (tf-keras, ``TF_USE_LEGACY_KERAS=1``)."""
-    return _root_is_keras2(str(getattr(keras_of_tf(), "__name__", "keras")))
+    """True when ``tf.keras`` is Keras 2 (tf-keras, ``TF_USE_LEGACY_KERAS=1``): told by where
+    its optimizer class comes from (once a script has imported ``tensorflow.keras.X``,
+    ``tf.keras`` is a module named ``tensorflow.keras`` whichever Keras it is)."""
+    return _root_is_keras2(keras_of_tf().optimizers.Optimizer.__module__)
 
 
 def is_keras2(obj: Any) -> bool:

@@ -17,6 +17,7 @@ import tensorflow as tf
 from tf_keras2_cases import (
     BATCH,
     STEPS,
+    TfKerasOptimizer,
     callbacks_lr,
     callbacks_momentum,
     data,
@@ -48,7 +49,8 @@ def _sgd(kind: str, lr: float, **kwargs: Any) -> Any:
 
 
 def _flavor(hvd: Any) -> None:
-    assert legacy_keras() and keras.__name__.startswith("tf_keras"), keras.__name__
+    assert legacy_keras(), keras
+    assert TfKerasOptimizer.__module__.startswith("tf_keras."), TfKerasOptimizer.__module__
     for cb in (hk.callbacks.BroadcastGlobalVariablesCallback, hk.callbacks.MetricAverageCallback,
                hk.callbacks.LearningRateScheduleCallback, hk.callbacks.LearningRateWarmupCallback,
                hk.elastic.CommitStateCallback, hk.elastic.UpdateBatchStateCallback,

@@ -13,6 +13,10 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+# imported before hora.tensorflow.keras, as Horovod's scripts do: tf.keras is then a module
+# named "tensorflow.keras" whichever Keras it is, and hora must still see tf-keras
+from tensorflow.keras.optimizers import Optimizer as TfKerasOptimizer  # noqa: F401
+
 import hora.tensorflow.keras as hk
 
 keras: Any = tf.keras  # tf-keras in these jobs
