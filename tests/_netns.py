@@ -5,11 +5,13 @@ Independent of hora (standard library only); used by ``tests/runner/test_multiho
 client (``sshd``, ``ssh``, ``ssh-keygen``); ``tc`` to shape links. :func:`unavailable` says what
 is missing.
 
-Layout, for ``Cluster(n)`` started by process ``P`` (names unique per process)::
+Layout, for the ``K``-th ``Cluster(n)`` started by process ``P`` (names unique per cluster, so
+clusters of one process can overlap, e.g. one test file's session-wide cluster and the next
+file's)::
 
-    bridge   hb<P>            in the root namespace, *without an address*: the root namespace's
+    bridge   hb<P>c<K>        in the root namespace, *without an address*: the root namespace's
                               routes never change and no packet can leave the machine
-    host i   netns hora-<P>-<i>, interface ``hora0`` (the same name on every host, so
+    host i   netns hora-<P>-<K>-<i>, interface ``hora0`` (the same name on every host, so
              ``--network-interface hora0`` works), address 10.77.0.<11+i>/24, ``lo`` up, no
              default route (anything outside 10.77.0.0/24 is unreachable from inside)
     sshd     in each namespace on <address>:2222, host key, authorized key and client key made
@@ -25,6 +27,7 @@ it also runs at interpreter exit, and :func:`remove_stale` deletes leftovers of 
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import re
 import shutil
@@ -42,7 +45,9 @@ FIRST_HOST = 11
 SSH_PORT = 2222
 IFACE = "hora0"
 _SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/bin/sshd", "/sbin/sshd")
-_NAME = re.compile(r"^hora-(\d+)-\d+$")
+_NAME = re.compile(r"^hora-(\d+)-(?:\d+-)?\d+$")  # (also the older hora-<P>-<i>)
+_BRIDGE = re.compile(r"^\d+: hb(\d+)(?:c\d+)?[:@]")
+_CLUSTERS = itertools.count()
 
 
 def _run(*argv: str, check: bool = True, timeout: float = 20) -> subprocess.CompletedProcess[str]:
@@ -109,9 +114,9 @@ def remove_stale(min_age_s: float = 600.0) -> None:
         _kill_netns_processes(name)
         _run("ip", "netns", "del", name, check=False)
     for line in _run("ip", "-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
-        match = re.match(r"^\d+: hb(\d+)[:@]", line)
+        match = _BRIDGE.match(line)
         if match and int(match.group(1)) not in owners and not _alive(int(match.group(1))):
-            _run("ip", "link", "del", f"hb{match.group(1)}", check=False)
+            _run("ip", "link", "del", line.split(":")[1].strip().split("@")[0], check=False)
 
 
 def _die_with_parent() -> None:
@@ -183,8 +188,13 @@ class Cluster:
     mtu: int = 1500
     hosts: list[Host] = field(default_factory=list)
     directory: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="hora-netns-")))
-    bridge: str = field(default_factory=lambda: f"hb{os.getpid()}")
+    tag: str = field(default_factory=lambda: f"{os.getpid()}c{next(_CLUSTERS)}")
     _closed: bool = False
+
+    @property
+    def bridge(self) -> str:
+        """The bridge's name (at most 15 characters, the kernel's limit)."""
+        return f"hb{self.tag}"
 
     @property
     def identity(self) -> str:
@@ -216,11 +226,12 @@ class Cluster:
         self.close()
 
     def _make_network(self) -> None:
-        pid = os.getpid()
+        pid, seq = self.tag.split("c")
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         _run("ip", "link", "set", self.bridge, "up")
         for i in range(self.n):
-            host = Host(i, f"hora-{pid}-{i}", f"{SUBNET}.{FIRST_HOST + i}", f"hv{pid}x{i}")
+            host = Host(i, f"hora-{pid}-{seq}-{i}", f"{SUBNET}.{FIRST_HOST + i}",
+                        f"hv{self.tag}x{i}")
             self.hosts.append(host)
             _run("ip", "netns", "add", host.netns)
             _run("ip", "link", "add", host.veth, "type", "veth", "peer", "name", IFACE,
