@@ -242,17 +242,20 @@ def main(argv: list[str] | None = None, *, checklist_first: bool = False) -> int
     """``hora check``: print the report and the ``--check-build`` checklist. Exit 0.
 
     Args:
-        argv: arguments after ``check`` (only ``-h`` / ``--help``).
+        argv: arguments after ``check``: ``-h`` / ``--help``, and ``-cb`` / ``--check-build``
+            (horovodrun's flag: the checklist first).
         checklist_first: print the Horovod-format checklist first (``hora run -cb``).
     """
     parser = argparse.ArgumentParser(
         prog="hora check", description="Show what this hora installation can do: frameworks, "
         "transports, launchers, the Horovod settings it refuses, and horovodrun "
         "--check-build's checklist.")
-    parser.parse_args(argv)
+    parser.add_argument("-cb", "--check-build", action="store_true",
+                        help="print horovodrun -cb's checklist first (as `hora run -cb` does)")
+    ns = parser.parse_args(argv)
     found = probes()
     parts = [report_text(found), check_build_text(found)]
-    if checklist_first:
+    if checklist_first or ns.check_build:
         parts.reverse()
     sys.stdout.write("\n".join(parts))
     sys.stdout.flush()

@@ -89,7 +89,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 _MOST_USED = ("np", "hosts", "hostfile", "command", "verbose", "output_filename", "ssh_port",
-              "ssh_identity_file", "knob_start_timeout", "help", "help_all")
+              "ssh_identity_file", "knob_start_timeout", "check_build", "help", "help_all")
 
 
 class _ShortHelp(argparse.Action):
@@ -232,8 +232,7 @@ def build_run_parser() -> argparse.ArgumentParser:
     g.add_argument("-np", "--num-proc", dest="np", type=_positive_int, metavar="N",
                    help="number of ranks to start (required)")
     g.add_argument("-cb", "--check-build", action="store_true",
-                   help="show the frameworks, controllers and tensor operations available "
-                        "(horovodrun -cb's checklist), then hora check's report, and exit")
+                   help="print horovodrun -cb's checklist and `hora check`'s report")
     g.add_argument("--disable-cache", action="store_true",
                    help="accepted for compatibility: hora run caches nothing, the ssh checks "
                         "of remote hosts run for every job")

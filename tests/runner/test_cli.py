@@ -229,7 +229,7 @@ def test_run_help_leads_with_the_most_used_options(capsys: pytest.CaptureFixture
     assert rc == 0 and out.startswith("usage: hora run [options] -np N command")
     assert len(out.splitlines()) <= 60, len(out.splitlines())
     for flag in ("-np N", "-H HOST:SLOTS", "--hostfile FILE", "--verbose", "--output-filename",
-                 "command", "--help-all"):
+                 "command", "--help-all", "-cb, --check-build"):
         assert flag in out, flag
     assert "--fusion-threshold-mb MB" not in out and "examples:" in out
     assert run_cli(capsys, "run", "-h")[1] == out
@@ -283,6 +283,19 @@ def test_check_reports_versions_and_the_horovod_checklist(
     rc, out, _ = run_cli(capsys, "run", "-cb")
     assert rc == 0 and out.startswith("hora v")
     assert run_cli(capsys, "--check-build")[1] == out
+    assert run_cli(capsys, "check", "--check-build")[1] == out
+
+
+def test_hora_check_cb_as_a_command() -> None:
+    """`hora check -cb` (horovodrun -cb's flag after `check`, as the migration guide says):
+    the checklist first, then the report; a real process with a hard timeout."""
+    result = run_hora("check", "-cb", timeout=60)
+    assert result.rc == 0, result.err
+    assert result.out.startswith("hora v") and "Available Tensor Operations:" in result.out, \
+        result.out
+    assert result.out.index("Available Frameworks:") < result.out.index("Transports:"), \
+        "the checklist comes first"
+    assert "unrecognized arguments" not in result.err, result.err
 
 
 def test_check_says_what_the_code_does(capsys: pytest.CaptureFixture[str]) -> None:
