@@ -23,15 +23,17 @@ environment (either name), a `hora run` flag, a `--config-file` or `hora.run()`.
 meaning the column says which ("0: disabled"). Times are at most 1000000 seconds (11.6 days).
 
 Every knob has an effect, or is refused. A Horovod knob whose effect hora does not have (the
-torus allreduce, NCCL streams, the MPI controller, MPI or oneCCL CPU operations) accepts
-only the value that matches what hora does: unset, or its default (`gloo` for
-`HOROVOD_CONTROLLER` and `HOROVOD_CPU_OPERATIONS`, which `hora run` sets for every rank, as
-horovodrun does). Any other value, whether from the environment, a `hora run` flag or a
-`--config-file`, is refused (by `hora run` before anything starts, by `init()` otherwise) with
-the reason and what to use instead; the last column gives both. `HOROVOD_AUTOTUNE=1` tunes the
-fusion threshold and cycle time while training ([autotune.md](autotune.md)); the
-`HOROVOD_AUTOTUNE_*` settings only matter with it on. `HOROVOD_MPI_THREADS_DISABLE` accepts 0 and
-1: hora never initialises MPI, so neither thread level is requested, as in Horovod's gloo mode.
+torus allreduce, NCCL streams, the MPI controller, oneCCL CPU operations) accepts only the
+value that matches what hora does: unset, or its default (`gloo` for `HOROVOD_CONTROLLER` and
+`HOROVOD_CPU_OPERATIONS`, which `hora run` sets for every rank where its own environment does
+not set them, as horovodrun does; `HOROVOD_CPU_OPERATIONS=mpi` selects the mpi data plane, and
+`hora run` says so in one line). Any other value, whether from the environment, a `hora run`
+flag or a `--config-file`, is refused (by `hora run` before anything starts, by `init()`
+otherwise) with the reason and what to use instead; the last column gives both.
+`HOROVOD_AUTOTUNE=1` tunes the fusion threshold and cycle time while training
+([autotune.md](autotune.md)); the `HOROVOD_AUTOTUNE_*` settings only matter with it on.
+`HOROVOD_MPI_THREADS_DISABLE` accepts 0 and 1: hora never initialises MPI, so neither thread
+level is requested, as in Horovod's gloo mode.
 `hora check` lists the refused settings.
 
 """

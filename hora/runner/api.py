@@ -161,7 +161,9 @@ def _store_address(spec: _launch.LaunchSpec, executable: str) -> tuple[str, floa
         ConfigError: as :func:`launch` would (bad ``HORA_*`` variable, too few slots, an unknown
             interface, no ssh client for remote hosts).
     """
-    base = {**_launch.forwardable_environment(_environ()), **_launch.launcher_variables(spec)}
+    environ = _environ()
+    base = {**_launch.forwardable_environment(environ),
+            **_launch.launcher_variables(spec, environ)}
     config = load(base, strict=True)
     names = assign_hosts(spec.np, spec.hosts)
     remote_hosts = tuple(dict.fromkeys(h for h in names if not _launch.is_local_host(h)))

@@ -58,7 +58,10 @@ IDENTITY_VARS: frozenset[str] = frozenset(
        "HORA_LAUNCHER_PID"}
 )
 
-# Set for every rank as horovodrun does; ``LaunchSpec.env`` (e.g. ``-x``) may override them.
+# Set for every rank as horovodrun does, unless the launcher's environment sets them (a
+# Horovod setting is honoured or refused, never silently replaced: HOROVOD_CPU_OPERATIONS=mpi
+# selects the mpi data plane, HOROVOD_CONTROLLER=mpi is refused); ``LaunchSpec.env`` (e.g.
+# ``-x``) may override them too.
 LAUNCHER_DEFAULTS: Mapping[str, str] = {
     "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo", "PYTHONUNBUFFERED": "1"}
 
@@ -119,9 +122,17 @@ def forwardable_environment(environ: Mapping[str, str]) -> dict[str, str]:
             if not _NOT_FORWARDED.match(k) and k not in IDENTITY_VARS}
 
 
-def launcher_variables(spec: LaunchSpec) -> dict[str, str]:
-    """Variables the launcher sets for every rank, before identity, rendezvous and secret."""
-    env = dict(LAUNCHER_DEFAULTS)
+def launcher_variables(spec: LaunchSpec,
+                       environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Variables the launcher sets for every rank, before identity, rendezvous and secret.
+
+    ``environ`` is the environment the ranks inherit (default ``os.environ``): a default of
+    :data:`LAUNCHER_DEFAULTS` (or one of its ``HORA_*`` names) it sets is left to it.
+    """
+    environ = os.environ if environ is None else environ
+    env = {k: v for k, v in LAUNCHER_DEFAULTS.items()
+           if not k.startswith("HOROVOD_")
+           or (k not in environ and "HORA_" + k[len("HOROVOD_"):] not in environ)}
     env.update(spec.env)
     if spec.start_timeout is not None:
         env["HORA_START_TIMEOUT"] = cli_value_to_env(
@@ -224,8 +235,9 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None,
             connect back, no such interface); every such host is named.
         RendezvousError: the rendezvous store could not be started.
     """
-    own = launcher_variables(spec)
-    base = {**forwardable_environment(os.environ if environ is None else environ), **own}
+    inherited = os.environ if environ is None else environ
+    own = launcher_variables(spec, inherited)
+    base = {**forwardable_environment(inherited), **own}
     config = validate(spec, base)
     slots = compute_topology(assign_hosts(spec.np, spec.hosts))
     remote = Remote(
@@ -246,6 +258,11 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None,
             raise ConfigError(f"--output-filename {spec.output_filename!r}: cannot create the "
                               f"directory: {exc.strerror or exc}") from None
     if config.data_plane == "mpi":  # one MPI job: mpirun starts the ranks (mpi_launch)
+        asked = next((f"{v}=mpi" for v in ("HORA_CPU_OPERATIONS", "HOROVOD_CPU_OPERATIONS")
+                      if base.get(v) == "mpi"), None)
+        if asked is not None and "HORA_DATA_PLANE" not in base:
+            console.say(f"{asked}: the ranks start under mpirun and their tensors move over MPI "
+                        "(the mpi data plane, as with --mpi).")
         hosts = ",".join(f"{h.host}:{h.slots}" for h in spec.hosts) or None
         return launch_mpi(spec.np, spec.command, base, where.address, hosts=hosts,
                           mpi_args=spec.mpi_args, binding_args=spec.binding_args,

@@ -167,7 +167,7 @@ def _rank_variables(num_proc: int, env: Mapping[str, str] | None, nics: list[str
         extra.setdefault("NCCL_SOCKET_IFNAME", ",".join(nics))
     spec = LaunchSpec(np=num_proc, command=(python, "-m", proto.__name__), env=extra,
                       verbose=verbose >= 2, start_timeout=start_timeout)
-    own = launcher_variables(spec)
+    own = launcher_variables(spec, {})  # executors do not inherit the driver's environment
     own["HORA_LAUNCHER"] = "hora.spark.run"
     own.pop("HORA_LAUNCHER_PID", None)  # the driver's pid means nothing on an executor
     validate(spec, {**forwardable_environment(os.environ), **own})

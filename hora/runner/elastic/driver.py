@@ -119,7 +119,7 @@ class ElasticDriver(Generations):
 
     def run(self) -> int:
         spec = self.spec
-        own = launch_mod.launcher_variables(spec)
+        own = launch_mod.launcher_variables(spec, self._environ)
         base = {**launch_mod.forwardable_environment(self._environ), **own,
                 "HORA_ELASTIC": "1", "HOROVOD_ELASTIC": "1"}
         config = launch_mod.validate(spec, base)
