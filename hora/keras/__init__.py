@@ -1,8 +1,9 @@
-"""hora.keras: Horovod's ``horovod.keras`` API for Keras 3 (``import hora.keras as hvd``).
+"""hora.keras: Horovod's ``horovod.keras`` API (``import hora.keras as hvd``).
 
 Keras 3 runs on TensorFlow here (``KERAS_BACKEND=tensorflow``, the default): this is the API
 of :mod:`hora.tensorflow.keras`, re-exported (Horovod kept two copies for standalone Keras and
-``tf.keras``; Keras 3 is one package).
+``tf.keras``; Keras 3 is one package). With ``TF_USE_LEGACY_KERAS=1`` it serves Keras 2
+through tf-keras, as :mod:`hora.tensorflow.keras` does.
 """
 
 from __future__ import annotations

@@ -35,8 +35,9 @@ from hora.tensorflow.keras_flavor import is_keras2, legacy_keras
 
 CASE_IDS = ["flavor", "fit-new", "fit-legacy", "fit-new-passes-sum", "fit-legacy-passes-avg",
             "aggregation-eager", "aggregation-function", "aggregation-legacy-function",
-            "sparse-allgather", "partial-local", "config", "errors", "callbacks-lr",
-            "callbacks-momentum", "load-model", "elastic-state", "elastic-callbacks"]
+            "sparse-allgather", "partial-local", "graph-mode-fit", "config", "errors",
+            "callbacks-lr", "callbacks-momentum", "load-model", "elastic-state",
+            "elastic-callbacks"]
 
 
 def init(hvd: Any) -> None:
@@ -228,6 +229,38 @@ def _partial_local(hvd: Any) -> None:
     assert all(np.array_equal(a, b) for a, b in zip(last[0], last[1])), "global layer differs"
 
 
+def _graph_mode_fit(hvd: Any) -> None:
+    """TF1 graph-mode Keras (a model built in a tf.Graph trains through get_gradients / the
+    session): a linear model, legacy SGD, one pass per step and 2 passes summed, against numpy
+    from both ranks' batches."""
+    r, n = hvd.rank(), hvd.size()
+    xs = [data(q)[0] for q in range(n)]
+    ys = [(x @ np.array([[1.0], [-2.0], [0.5], [3.0], [0.0]], np.float32)) for x in xs]
+    for passes in (1, 2):
+        with tf.Graph().as_default():
+            model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(
+                1, kernel_initializer="zeros", bias_initializer=keras.initializers.Constant(0.5))])
+            opt = hk.DistributedOptimizer(keras.optimizers.legacy.SGD(0.1),
+                                          backward_passes_per_step=passes)
+            model.compile(optimizer=opt, loss="mse")
+            model.fit(xs[r], ys[r], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+            w, b = model.get_weights()
+            assert int(keras.backend.get_value(opt.iterations)) == STEPS  # every pass counts
+        want_w, want_b = np.zeros((5, 1)), np.array([0.5])
+        gw, gb = np.zeros((5, 1)), np.zeros(1)
+        for step in range(STEPS):
+            rows = slice(step * BATCH, (step + 1) * BATCH)
+            for q in range(n):
+                err = xs[q][rows] @ want_w + want_b - ys[q][rows]
+                gw += 2.0 * xs[q][rows].T @ err / BATCH / n
+                gb += 2.0 * err.sum(0) / BATCH / n
+            if (step + 1) % passes == 0:
+                want_w, want_b = want_w - 0.1 * gw, want_b - 0.1 * gb
+                gw, gb = np.zeros((5, 1)), np.zeros(1)
+        assert np.allclose(w, want_w, atol=1e-5) and np.allclose(b, want_b, atol=1e-5), \
+            (passes, w.ravel().tolist(), want_w.ravel().tolist())
+
+
 def _config(hvd: Any) -> None:
     for base in (keras.optimizers.Adam(0.003), keras.optimizers.legacy.Adam(0.003)):
         opt = hk.DistributedOptimizer(base, backward_passes_per_step=3)
@@ -279,6 +312,7 @@ def cases() -> list[tuple[str, Any]]:
            ("aggregation-function", _aggregation_case("new", True, True)),
            ("aggregation-legacy-function", _aggregation_case("legacy", True, False)),
            ("sparse-allgather", _sparse_allgather), ("partial-local", _partial_local),
+           ("graph-mode-fit", _graph_mode_fit),
            ("config", _config), ("errors", _errors), ("callbacks-lr", callbacks_lr),
            ("callbacks-momentum", callbacks_momentum), ("load-model", load_model),
            ("elastic-state", elastic_state), ("elastic-callbacks", elastic_callbacks)]

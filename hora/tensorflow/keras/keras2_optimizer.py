@@ -42,17 +42,25 @@ log = logging.getLogger(__name__)
 class KerasAggregation(LocalAggregation):
     """``backward_passes_per_step`` for a Keras 2 optimizer, eagerly and in ``tf.function``
     (Horovod's ``LocalGradientAggregationHelper``): the TF1 helper's arithmetic over TensorFlow 2
-    variables. ``counter`` (int32) counts the passes since the last reduction."""
+    variables (in TF1 graph-mode Keras over its graph variables, initialized in Keras's session,
+    as Horovod does). ``counter`` (int32) counts the passes since the last reduction."""
 
     def __init__(self, passes: int, average: bool, sparse_as_dense: bool,
                  reduce_fn: Callable[[list[Any], list[Any]], list[Any]], name: str) -> None:
         super().__init__(passes, average, sparse_as_dense, reduce_fn, name)
-        with tf.init_scope():
-            self.counter = tf.Variable(0, dtype=tf.int32, trainable=False,
-                                       name="aggregation_counter")
+        self.graph_mode = not tf.compat.v1.executing_eagerly_outside_functions()
+        if not self.graph_mode:
+            with tf.init_scope():
+                self.counter = tf.Variable(0, dtype=tf.int32, trainable=False,
+                                           name="aggregation_counter")
         self.accumulators: list[Any] = []
 
     def _variables(self, grads: list[Any], variables: list[Any]) -> list[Any]:
+        if self.graph_mode:  # TF1 graph-mode Keras: the TF1 helper's local variables,
+            accs = super()._variables(grads, variables)  # initialized in Keras's session
+            session = tf.compat.v1.keras.backend.get_session(op_input_list=())
+            session.run(tf.compat.v1.variables_initializer([self.counter, *accs]))
+            return accs
         if not self.accumulators:
             with tf.init_scope():  # created once, eagerly, also when first called in a trace
                 self.accumulators = [
@@ -65,21 +73,28 @@ class KerasAggregation(LocalAggregation):
                              "compute gradients for the same variables.")
         return self.accumulators
 
-    def apply_keras(self, apply: Callable[[], Any], optimizer: Any) -> Any:
+    def apply_keras(self, apply: Callable[[], Any], optimizer: Any, grads: list[Any]) -> Any:
         """``apply()`` on the passes whose gradients were reduced (the count is back at 0);
-        on the others ``optimizer.iterations`` advances by one. Returns whether it applied."""
+        on the others ``optimizer.iterations`` advances by one. Returns whether it applied.
+        ``grads`` (this pass's, from :meth:`compute_gradients`) order a TF1 graph: the count
+        is read after they were computed."""
         with tf.init_scope():  # a legacy optimizer creates `iterations` on first access
             iterations = optimizer.iterations
 
+        def after(op: Any, value: bool) -> Any:  # in a TF1 graph a branch runs only what
+            deps = [] if op is None or tf.executing_eagerly() else [op]  # its output needs
+            with tf.control_dependencies(deps):
+                return tf.identity(tf.constant(value))
+
         def applied() -> Any:
-            apply()
-            return tf.constant(True)
+            return after(apply(), True)
 
         def skipped() -> Any:
-            iterations.assign_add(tf.constant(1, iterations.dtype))
-            return tf.constant(False)
+            return after(iterations.assign_add(tf.constant(1, iterations.dtype)), False)
 
-        return tf.cond(tf.equal(self.counter, 0), applied, skipped)
+        deps = [] if tf.executing_eagerly() else [g for g in grads if g is not None]
+        with tf.control_dependencies(deps):
+            return tf.cond(tf.equal(self.counter, 0), applied, skipped)
 
 
 class _Keras2DistributedOptimizer:
@@ -149,7 +164,8 @@ class _Keras2DistributedOptimizer:
             return self._hora_base.apply_gradients(self, grads_and_vars, *args, **kwargs)
         pairs = list(grads_and_vars)
         return self._agg_helper.apply_keras(
-            lambda: self._hora_base.apply_gradients(self, pairs, *args, **kwargs), self)
+            lambda: self._hora_base.apply_gradients(self, pairs, *args, **kwargs), self,
+            [g for g, _ in pairs])
 
 
 _ONLY_IF_BASE_HAS = ("compute_gradients", "get_gradients")
