@@ -26,6 +26,7 @@ from tf_keras2_cases import (
     keras,
     load_model,
     make_model,
+    sync_batch_norm,
     weights,
 )
 
@@ -37,7 +38,7 @@ CASE_IDS = ["flavor", "fit-new", "fit-legacy", "fit-new-passes-sum", "fit-legacy
             "aggregation-eager", "aggregation-function", "aggregation-legacy-function",
             "sparse-allgather", "partial-local", "graph-mode-fit", "config", "errors",
             "callbacks-lr", "callbacks-momentum", "load-model", "elastic-state",
-            "elastic-callbacks"]
+            "elastic-callbacks", "sync-batch-norm"]
 
 
 def init(hvd: Any) -> None:
@@ -315,6 +316,7 @@ def cases() -> list[tuple[str, Any]]:
            ("graph-mode-fit", _graph_mode_fit),
            ("config", _config), ("errors", _errors), ("callbacks-lr", callbacks_lr),
            ("callbacks-momentum", callbacks_momentum), ("load-model", load_model),
-           ("elastic-state", elastic_state), ("elastic-callbacks", elastic_callbacks)]
+           ("elastic-state", elastic_state), ("elastic-callbacks", elastic_callbacks),
+           ("sync-batch-norm", sync_batch_norm)]
     assert [c for c, _ in out] == CASE_IDS
     return out

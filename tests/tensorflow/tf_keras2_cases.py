@@ -220,3 +220,31 @@ def elastic_callbacks(hvd: Any) -> None:
                          hk.elastic.CommitStateCallback(state, batches_per_commit=2)])
     assert (state.epoch, state.batch) == (2, 0), (state.epoch, state.batch)
     assert state.commits == [(0, 2), (0, 4), (1, 0), (1, 2), (1, 4), (2, 0)], state.commits
+
+
+def sync_batch_norm(hvd: Any) -> None:
+    """``hvd.SyncBatchNormalization`` on tf-keras is a tf-keras layer (as Horovod's subclasses
+    ``tf.keras.layers.BatchNormalization``): training statistics of both ranks' uneven batches
+    eagerly, and in a TF1 graph whose session fetches its moving mean."""
+    r = hvd.rank()
+    rng = np.random.RandomState(60 + r)
+    x = (rng.randn(3 + 2 * r, 4) * 3.0 + 10.0).astype(np.float32)
+    everyone = np.concatenate(hvd.allgather_object(x)).astype(np.float64)
+    mean, var = everyone.mean(axis=0), everyone.var(axis=0)
+    layer = hvd.SyncBatchNormalization(epsilon=1e-3, momentum=0.5)
+    assert isinstance(layer, keras.layers.BatchNormalization), type(layer).__mro__
+    y = layer(tf.constant(x), training=True).numpy()
+    np.testing.assert_allclose(y, (x - mean) / np.sqrt(var + 1e-3), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(layer.moving_mean.numpy(), 0.5 * mean, rtol=1e-5)
+    v1 = tf.compat.v1
+    with tf.Graph().as_default():
+        graph_layer = hvd.SyncBatchNormalization(epsilon=1e-3, momentum=0.5)
+        out = graph_layer(v1.constant(x), training=True)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            got = sess.run(out)
+            updates = [u for u in graph_layer.updates]
+            sess.run(updates)
+            moving = sess.run(graph_layer.moving_mean)
+    np.testing.assert_allclose(got, (x - mean) / np.sqrt(var + 1e-3), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(moving, 0.5 * mean, rtol=1e-5)
