@@ -79,14 +79,16 @@ class WorkerFailure:
             return f"{where} exited with code {self.returncode}"
         return f"{where} was killed by signal {signal_name(sig)} ({sig})"
 
-    def report(self, stopped: int = 0) -> list[str]:
+    def report(self, stopped: int = 0, first: bool = True) -> list[str]:
         """The root-cause message, one string per line, for the end of the launcher's output.
 
         Args:
             stopped: how many other ranks the launcher had to stop because of this failure.
+            first: this rank's exit was the first failure seen (else another rank exited
+                first, with an error that followed from this one).
         """
-        after = (f"first failure; {stopped} other rank(s) were stopped" if stopped
-                 else "no other rank was running")
+        lead = "first failure" if first else "the root cause"
+        after = f"{lead}; {stopped} other rank(s) were stopped" if stopped else lead
         lines = [f"job failed: {self.describe()} ({after})"]
         hint = _SIGNAL_HINTS.get(self.signal or 0)
         if hint:

@@ -8,8 +8,12 @@ rank gets (command, environment); this module decides *how* processes run here:
 * each line of a rank's stdout / stderr is relayed prefixed ``[<rank>]<stdout>:`` (Horovod's
   format, optionally preceded by ``time.asctime()``), and optionally copied raw to
   ``DIR/rank.<r>/{stdout,stderr}``;
-* the first rank to fail (non-zero exit or a signal) decides the launcher's exit status; the
-  others get SIGTERM on their process group, then SIGKILL after :data:`GRACE_PERIOD_S`;
+* the first rank to fail (non-zero exit or a signal) ends the job: the others get
+  :data:`SETTLE_S` to exit by themselves, then SIGTERM on their process group, then SIGKILL
+  after :data:`GRACE_PERIOD_S`. The root cause decides the launcher's exit status: the first
+  rank whose error is not one that hora raised because of another rank. Its error (traceback)
+  is printed once in full, the others' consequential errors as one line naming them
+  (:mod:`hora.runner.rank_errors`), then the summary;
 * SIGINT / SIGTERM / SIGHUP to the launcher stop every rank the same way (exit 128 + signal);
   a second one skips the grace period. If the launcher itself is killed with SIGKILL, Linux
   delivers SIGTERM to each rank (``PR_SET_PDEATHSIG``);
@@ -49,8 +53,12 @@ from hora.runner.processes import (  # re-exported: RankLaunch, GRACE_PERIOD_S (
     spawn,
     stop_workers,
 )
+from hora.runner.rank_errors import ErrorBlock, HeldErrors, consequences_line
 
 _RELAY_JOIN_S = 5.0
+SETTLE_S = 1.0
+"""After the first failure, how long the other ranks may take to exit by themselves before they
+are stopped: their errors show which rank's failure caused the others'."""
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -68,6 +76,7 @@ class _Supervisor:
         self._exits: queue.Queue[tuple[int, int]] = queue.Queue()
         self._interrupt: int | None = None
         self._kill_now = False
+        self._held = HeldErrors(self._write_block)
 
     # -- signals (called from the signal handler in the main thread: only set flags) --
     def on_signal(self, signum: int) -> None:
@@ -86,6 +95,8 @@ class _Supervisor:
         finally:
             self._stop(quiet=True)
             self._join_relays()
+            for block in sorted(self._held.take_all().values(), key=lambda b: b.rank):
+                self._write_block(block)
             if self._ranks:
                 remove_shm_segments(self._ranks[0].env.get("HORA_JOB_ID"))
 
@@ -99,7 +110,7 @@ class _Supervisor:
                 worker = spawn(self._command, launch, launch.slot.rank, size=size,
                                exits=self._exits, console=self._console,
                                output_dir=self._output_dir, prefix_timestamp=self._timestamp,
-                               preexec=preexec)
+                               preexec=preexec, held=self._held)
             except StartError as exc:
                 self._console.say("\n".join([exc.message, *exc.failure.hints()]))
                 self._console.rank_failed(exc.failure)
@@ -119,24 +130,64 @@ class _Supervisor:
                 continue
             running.discard(rank)
             if code != 0:
-                return self._failed(by_rank[rank], code, len(running))
+                return self._failed(by_rank, [(rank, code)], running)
+            self._held.release(rank)
         self._stop_leftovers()
         return 0
 
-    def _failed(self, worker: _Worker, code: int, others: int) -> int:
-        failure = WorkerFailure(rank=worker.rank, size=len(self._workers),
-                                hostname=worker.slot.hostname, returncode=code)
-        stopping = f"stopping the other {others} rank(s)" if others else "no other rank is running"
-        self._console.say(f"{failure.describe()}; {stopping}.")
+    def _failed(self, by_rank: dict[int, _Worker], exited: list[tuple[int, int]],
+                running: set[int]) -> int:
+        """The first failure: let the others settle, stop the rest, report the root cause."""
+        self._held.failing.set()
+        first = by_rank[exited[0][0]]
+        failure = WorkerFailure(rank=first.rank, size=len(self._workers),
+                                hostname=first.slot.hostname, returncode=exited[0][1])
         self._console.rank_failed(failure)
+        deadline = time.monotonic() + SETTLE_S
+        while running and self._interrupt is None and time.monotonic() < deadline:
+            try:
+                rank, code = self._exits.get(timeout=0.02)
+            except queue.Empty:
+                continue
+            running.discard(rank)
+            exited.append((rank, code))
+        if running:
+            self._console.say(f"{failure.describe()}; stopping the other {len(running)} "
+                              "rank(s).")
         self._stop()
-        for relay in worker.relays:
-            relay.join(_RELAY_JOIN_S)
-        failure = WorkerFailure(rank=failure.rank, size=failure.size, hostname=failure.hostname,
-                                returncode=code, stderr_tail=tuple(worker.tail),
-                                program=worker.program)
-        self._console.say("\n".join(failure.report(stopped=others)))
+        self._join_relays()
+        return self._report(by_rank, exited, stopped=len(running))
+
+    def _report(self, by_rank: dict[int, _Worker], exited: list[tuple[int, int]],
+                stopped: int) -> int:
+        """Print the root cause's error in full, the others' consequences in one line, then
+        the summary; the root cause's exit status."""
+        blocks = self._held.take_all()
+        failed = [(rank, code) for rank, code in exited if code != 0]
+        rank, code = next(((r, c) for r, c in failed
+                           if r not in blocks or not blocks[r].is_consequence()), failed[0])
+        cause = blocks.pop(rank, None)
+        if cause is not None:
+            self._console.write(cause.stream, cause.text(drop_echoes=True))
+        said = cause.exception() if cause is not None else []
+        followers: list[ErrorBlock] = []
+        for other in sorted(blocks.values(), key=lambda b: b.rank):
+            if other.is_consequence() or (said and other.exception() == said):
+                followers.append(other)
+            else:  # an error of its own: shown as it is
+                self._write_block(other)
+        if followers:
+            self._console.say(consequences_line(followers, cause, rank))
+        worker = by_rank[rank]
+        failure = WorkerFailure(rank=rank, size=len(self._workers),
+                                hostname=worker.slot.hostname, returncode=code,
+                                stderr_tail=tuple(worker.tail), program=worker.program)
+        self._console.say("\n".join(failure.report(stopped=stopped,
+                                                   first=rank == exited[0][0])))
         return failure.exit_status
+
+    def _write_block(self, block: ErrorBlock) -> None:
+        self._console.write(block.stream, block.text())
 
     def _interrupted(self) -> int:
         signum = self._interrupt or int(signal.SIGTERM)

@@ -1,6 +1,11 @@
 """The launcher's output: its console (launcher messages, structured events) and the relays
 that copy each rank's stdout / stderr to it line by line with the rank prefix.
 
+A rank's error on stderr (a Python traceback, or an error line hora logged, and what follows)
+is held and written as one piece, so that ranks' tracebacks never interleave; when the rank's
+stderr ends while one is held, it goes to the job's :class:`~hora.runner.rank_errors.HeldErrors`
+for the supervisor to report (:mod:`hora.runner.rank_errors`).
+
 Runner layer; used by :mod:`hora.runner.local` (the supervisor) and API callers that watch a job
 (:mod:`hora.runner.api`).
 """
@@ -10,13 +15,16 @@ from __future__ import annotations
 import collections
 import os
 import re
+import select
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import IO, BinaryIO
 
+from hora.runner import rank_errors
 from hora.runner.failures import WorkerFailure
+from hora.runner.rank_errors import ErrorBlock, HeldErrors
 
 MAX_SEGMENT_BYTES = 64 * 1024
 """A line longer than this is relayed in pieces instead of being held back indefinitely."""
@@ -93,21 +101,30 @@ class _Relay(threading.Thread):
 
     def __init__(self, pipe: IO[bytes], rank: int, stream: str, console: Console,
                  copy_to: BinaryIO | None, tail: collections.deque[str] | None,
-                 timestamp: bool) -> None:
+                 timestamp: bool, held: HeldErrors | None = None) -> None:
         super().__init__(name=f"hora-relay-{rank}-{stream}", daemon=True)
         self._pipe = pipe
+        self._rank = rank
         self._prefix = f"[{rank}]<{stream}>:"
         self._stream = stream
         self._console = console
         self._copy = copy_to
         self._tail = tail
         self._timestamp = timestamp
+        self._holds = stream == "stderr"
+        self._held = held  # where a block goes when the stream ends (None: written out)
+        self._block: ErrorBlock | None = None
+        self._block_until = 0.0
 
     def run(self) -> None:
         fd = self._pipe.fileno()
         pending = b""
         try:
             while True:
+                if not self._readable(fd):  # a held block's time is up: the rank runs on
+                    if not self._write_block():
+                        return
+                    continue
                 try:
                     chunk = os.read(fd, 65536)
                 except OSError:
@@ -124,10 +141,32 @@ class _Relay(threading.Thread):
                     return
             if pending:
                 self._emit([(pending.rstrip(b"\r"), b"\n")])
+            if self._block is not None:  # the rank's last words: the supervisor reports them
+                if self._held is None:
+                    self._write_block()
+                else:
+                    self._held.put(self._block)
+                    self._block = None
         finally:
             self._pipe.close()
             if self._copy is not None:
                 self._copy.close()
+
+    def _readable(self, fd: int) -> bool:
+        """Wait until ``fd`` has data (or EOF); False when a held block's time ran out first.
+        While the job is failing, a block is held until the stream ends."""
+        while self._block is not None and not (self._held and self._held.failing.is_set()):
+            left = self._block_until - time.monotonic()
+            if left <= 0:
+                return False
+            ready, _, _ = select.select([fd], [], [], min(left, 0.5))
+            if ready:
+                return True
+        return True
+
+    def _write_block(self) -> bool:
+        block, self._block = self._block, None
+        return block is None or self._console.write(self._stream, block.text())
 
     def _emit_complete(self, data: bytes) -> tuple[bytes, bool]:
         """Relay every complete line of ``data``; return the unfinished rest and whether the
@@ -149,7 +188,17 @@ class _Relay(threading.Thread):
         parts = []
         for raw, terminator in lines:
             text = raw.decode("utf-8", errors="replace")
-            parts.append(f"{prefix}{text}{terminator.decode('ascii')}")
+            relayed = f"{prefix}{text}{terminator.decode('ascii')}"
             if self._tail is not None and terminator != b"\r":
                 self._tail.append(text)
-        return self._console.write(self._stream, "".join(parts))
+            if self._block is None and self._holds and rank_errors.starts_block(text):
+                self._block = ErrorBlock(self._rank, self._stream)
+                self._block_until = time.monotonic() + rank_errors.HOLD_S
+            if self._block is not None:
+                self._block.add(relayed, text)
+            else:
+                parts.append(relayed)
+        ok = self._console.write(self._stream, "".join(parts)) if parts else True
+        if self._block is not None and len(self._block.lines) > rank_errors.MAX_BLOCK_LINES:
+            ok = self._write_block() and ok
+        return ok

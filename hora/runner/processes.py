@@ -26,6 +26,7 @@ from typing import BinaryIO
 from hora.rendezvous.topology import Slot
 from hora.runner.failures import WorkerFailure
 from hora.runner.output import Console, _Relay, rank_output_dir
+from hora.runner.rank_errors import HeldErrors
 
 GRACE_PERIOD_S = 5.0
 """Seconds between SIGTERM and SIGKILL when the launcher stops ranks (Horovod's value)."""
@@ -168,9 +169,10 @@ class StartError(Exception):
 def spawn(command: Sequence[str], launch: RankLaunch, label: int, *, size: int,
           exits: queue.Queue[tuple[int, int]], console: Console,
           output_dir: str | None = None, prefix_timestamp: bool = False,
-          preexec: Callable[[], None] | None = None) -> _Worker:
+          preexec: Callable[[], None] | None = None, held: HeldErrors | None = None) -> _Worker:
     """Start one process of a job in its own process group, relay its output prefixed with
-    ``label``, and put ``(label, exit code)`` on ``exits`` when it ends.
+    ``label``, and put ``(label, exit code)`` on ``exits`` when it ends. An error its stderr
+    ends with goes to ``held`` when given (else it is written out like any other line).
 
     Raises:
         StartError: the program could not be started (exit status 127 when not found, else
@@ -210,7 +212,8 @@ def spawn(command: Sequence[str], launch: RankLaunch, label: int, *, size: int,
                      program="" if launch.argv is not None else _resolve(argv[0], launch.env))
     assert proc.stdout is not None and proc.stderr is not None
     for name, pipe, tail in (("stdout", proc.stdout, None), ("stderr", proc.stderr, worker.tail)):
-        relay = _Relay(pipe, label, name, console, copies[name], tail, prefix_timestamp)
+        relay = _Relay(pipe, label, name, console, copies[name], tail, prefix_timestamp,
+                       held=held)
         relay.start()
         worker.relays.append(relay)
     if launch.stdin is not None:

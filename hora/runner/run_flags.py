@@ -71,8 +71,9 @@ examples:
 
 Every rank gets HOROVOD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE/CROSS_RANK/CROSS_SIZE/HOSTNAME (and the
 same as HORA_*), the rendezvous address and a per-job secret in its environment. Output lines
-are prefixed [<rank>]<stdout>: / [<rank>]<stderr>:. The first rank to fail stops the job: the
-others get SIGTERM, then SIGKILL, and hora run exits with the failed rank's status.
+are prefixed [<rank>]<stdout>: / [<rank>]<stderr>:. The first rank to fail stops the job (the
+others get SIGTERM, then SIGKILL); hora run shows the root cause's traceback once, the others'
+errors in one line, and exits with the root cause's status.
 
 Hosts other than this machine are reached with the system ssh (BatchMode: passwordless), checked
 in parallel before anything starts; their ranks run the launcher's Python path in the launcher's
@@ -232,7 +233,7 @@ def build_run_parser() -> argparse.ArgumentParser:
     g.add_argument("-np", "--num-proc", dest="np", type=_positive_int, metavar="N",
                    help="number of ranks to start (required)")
     g.add_argument("-cb", "--check-build", action="store_true",
-                   help="print horovodrun -cb's checklist and `hora check`'s report")
+                   help="print horovodrun's checklist and hora check's report")
     g.add_argument("--disable-cache", action="store_true",
                    help="accepted for compatibility: hora run caches nothing, the ssh checks "
                         "of remote hosts run for every job")
