@@ -4,7 +4,9 @@
 #
 # The demo has its own environment, .venv-demo/, with only what it runs: torch==2.13.0 (installed
 # first and pinned, so pip never picks a torch by itself), then hora with scikit-learn and tqdm
-# (about 1 GB). The test environment, .venv/ (scripts/setup.sh), keeps everything the suite needs.
+# (about 1.2 GB). The test environment, .venv/ (scripts/setup.sh), keeps everything the suite
+# needs. On a public index the pinned Linux torch wheel is the CUDA build (GBs of CUDA packages):
+# TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu takes torch from PyTorch's CPU wheel index.
 # Extra args go to the example (e.g. --epochs 5); the progress bar is shown on a terminal only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,8 +17,8 @@ if [ ! -x "$ENV/bin/python" ]; then
 fi
 PIP="$ENV/bin/pip --disable-pip-version-check -q"
 if ! "$ENV/bin/python" -c "import torch" 2>/dev/null; then
-  echo "[demo] installing $TORCH into $ENV"
-  $PIP install "$TORCH"
+  echo "[demo] installing $TORCH into $ENV${TORCH_INDEX_URL:+ from $TORCH_INDEX_URL}"
+  $PIP install "$TORCH" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
 # hora from this tree (editable), with what the example imports; the pin again, so that resolving
 # hora's extra can never replace the torch installed above.

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv with hora and everything its tests, demo and benchmarks use. Idempotent.
-# PyTorch is installed first and pinned: an unpinned torch pulls several GB of CUDA packages.
+# PyTorch is installed first and pinned, so that pip never picks a torch by itself. On a public
+# index the pinned Linux wheel is the CUDA build (GBs of CUDA packages):
+# TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu takes it from PyTorch's CPU wheel index.
 # tensorflow-cpu (the CPU-only wheel of TensorFlow, with Keras 3) comes next, then tf-keras
 # of the same version (Keras 2 under TF_USE_LEGACY_KERAS=1).
 set -euo pipefail
@@ -11,8 +13,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PIP=".venv/bin/pip --disable-pip-version-check -q"
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  echo "[setup] installing torch==2.13.0 (CPU)"
-  $PIP install "torch==2.13.0"
+  echo "[setup] installing torch==2.13.0${TORCH_INDEX_URL:+ from $TORCH_INDEX_URL}"
+  $PIP install "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
 if ! .venv/bin/python -c "import tensorflow" 2>/dev/null; then
   # after torch: tensorflow-cpu keeps the numpy torch was installed with (no GPU wheels)
