@@ -22,6 +22,9 @@ ALLOWED: dict[str, set[str]] = {
     "hora.runner": BASE | {"hora.runner", "hora.rendezvous", "hora.timeline"},
     # hora.spark.run: launcher-side like hora.runner (the tasks start ranks; never the engine)
     "hora.spark": BASE | {"hora.spark", "hora.runner", "hora.rendezvous"},
+    # the Spark Estimators' rank side (what each rank runs, never the driver) uses the adapters
+    "hora.spark.torch.remote": BASE | {"hora.spark", "hora.torch"},
+    "hora.spark.keras.remote": BASE | {"hora.spark", "hora.keras", "hora.tensorflow"},
     # hora.ray: launcher-side like hora.runner (the driver; the actors run the user's function)
     "hora.ray": BASE | {"hora.ray", "hora.runner", "hora.rendezvous"},
     # elastic's worker side: states and the loop, above the core, below the adapters
