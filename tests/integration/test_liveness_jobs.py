@@ -93,4 +93,6 @@ def test_a_stopped_rank_is_declared_lost_within_the_heartbeat_timeout(tmp_path: 
     delay = float(when) - stopped_at
     print(f"rank 1 declared lost {delay:.2f} s after it stopped (timeout {HEARTBEAT_S:g} s; "
           f"before: up to {1.25 * HEARTBEAT_S:g} s)")
-    assert HEARTBEAT_S - 0.5 < delay < HEARTBEAT_S + 0.25, message
+    # measured 2.00 s; the margin is for a loaded machine (the exact wake-up is checked in
+    # tests/core/test_liveness.py)
+    assert HEARTBEAT_S - 0.5 < delay < HEARTBEAT_S + 0.45, message
