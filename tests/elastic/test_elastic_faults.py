@@ -17,7 +17,6 @@ from .test_elastic_jobs import WORKER, elastic_job
 
 HEARTBEAT_S = 3.0
 """The heartbeat timeout of the SIGSTOP tests (the knob's default is 30 s)."""
-LOST_GRACE_S = 2.0  # hora.runner.elastic.lost.GRACE_S
 
 
 def logged(log: Path, wid: int) -> list[tuple[int, int, float]]:
@@ -72,16 +71,17 @@ def test_a_hung_worker_is_dropped_and_training_resumes(tmp_path: Path, stopped: 
     took = resumed - stopped_at
     print(f"SIGSTOP of worker {stopped}: training resumed {took:.2f} s later "
           f"(heartbeat timeout {HEARTBEAT_S:g} s)")
-    # detection within 1.25x the timeout (heartbeats are checked every quarter), the driver's
-    # grace, the new generation's connect and sync: a few seconds on a busy 2-core machine
-    assert took < 1.25 * HEARTBEAT_S + LOST_GRACE_S + 5.0, took
+    # The rule under test: the job goes on without waiting --elastic-timeout (600 s here). The
+    # time itself (the heartbeat timeout + the driver's grace + a generation's connect, ~5 s
+    # here) is measured, not asserted: a loaded 2-core CI machine stretches it.
+    assert took < 60.0, took
     done = result.json_lines("wid")
     assert stopped not in done and len({tuple(d["w"]) for d in done.values()}) == 1
     # the replacement's join is timed from its own interruption, not from the killed worker's
     # exit (which came after generation 2 was formed)
     joined = re.search(r"generation 3: 3 worker\(s\) \(left: none; joined: worker 3 on "
                        r"localhost\), ([0-9.]+) s after the interruption", messages)
-    assert joined is None or float(joined.group(1)) < 5.0, joined
+    assert joined is None or float(joined.group(1)) < 10.0, joined  # the bug read 13.84 s
 
 
 def test_one_host_survives_a_second_death_and_a_crashing_replacement() -> None:
