@@ -51,7 +51,7 @@ class Counter:
             if module == "hora" or module.startswith("hora."):
                 self.hora_calls += 1
                 self.modules.add(module)
-                self.functions[f"{module}.{frame.f_code.co_name}"] += 1
+            self.functions[f"{module}.{frame.f_code.co_name}"] += 1
 
 
 def _rank(args: argparse.Namespace) -> None:
@@ -98,8 +98,8 @@ def _rank(args: argparse.Namespace) -> None:
         print(f"  hora modules that ran:      {len(counter.modules):8d}")
         for module in sorted(counter.modules):
             print(f"    {module}")
-        print("  hora functions called most (calls per op):")
-        for name, count in counter.functions.most_common(10):
+        print("  functions called most (calls per op):")
+        for name, count in counter.functions.most_common(None if args.all else 10):
             print(f"    {count / n:6.1f}  {name}")
     hvd.shutdown()
 
@@ -111,6 +111,7 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=100, help="ops counted")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--api", choices=("torch", "numpy"), default="torch")
+    parser.add_argument("--all", action="store_true", help="list every hora function called")
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank:
@@ -118,7 +119,7 @@ def main() -> None:
         return
     cmd = [sys.executable, "-m", "hora.runner.cli", "run", "-np", str(args.np), sys.executable,
            __file__, "--rank", "--kib", str(args.kib), "--ops", str(args.ops), "--warmup",
-           str(args.warmup), "--api", args.api]
+           str(args.warmup), "--api", args.api] + (["--all"] if args.all else [])
     sys.exit(subprocess.call(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}))
 
 

@@ -43,13 +43,20 @@ SUPPORTED_DTYPES: dict[str, np.dtype[Any]] = {n: np.dtype(n) for n in _NAMES}
 if BFLOAT16 is not None:
     SUPPORTED_DTYPES["bfloat16"] = BFLOAT16
 
-_UFUNCS: dict[ReduceOp, np.ufunc] = {
+DTYPE_NAMES: dict[np.dtype[Any], str] = {dt: name for name, dt in SUPPORTED_DTYPES.items()}
+"""Each supported numpy dtype's canonical name (what :func:`check_dtype` returns for it)."""
+
+REDUCIBLE = frozenset(SUPPORTED_DTYPES.values())
+"""The numpy dtypes hora reduces (the values of :data:`SUPPORTED_DTYPES`)."""
+
+UFUNCS: dict[ReduceOp, np.ufunc] = {
     ReduceOp.Sum: np.add,
     ReduceOp.Average: np.add,  # Average = Sum, then a postscale of 1/size
     ReduceOp.Min: np.minimum,
     ReduceOp.Max: np.maximum,
     ReduceOp.Product: np.multiply,
 }
+"""The ufunc of each element-wise op (bool Sums use ``np.logical_or``: :func:`reduce_into`)."""
 
 
 _NAME_CACHE: dict[np.dtype[Any], str] = {}
@@ -92,7 +99,7 @@ def reduce_inplace(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
 def reduce_into(dst: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp) -> None:
     """``dst = op(a, b)`` element-wise (``a`` may be ``dst``): :func:`reduce_inplace` without
     first copying ``a`` into ``dst``."""
-    ufunc = _UFUNCS.get(op)  # IntEnum members hash as their int
+    ufunc = UFUNCS.get(op)  # IntEnum members hash as their int
     if ufunc is None:
         raise NotImplementedError(f"{ReduceOp(op).name} is not an element-wise reduction")
     if dst.dtype == np.bool_ and ufunc is np.add:

@@ -154,6 +154,11 @@ def select_shm_allreduce(nbytes: int, size: int,
     Returns:
         A name accepted by :meth:`hora.collectives.shm.ShmGroup.allreduce`.
     """
-    choice = "replicated" if nbytes <= small_bytes or size == 1 else "chunked"
-    log.debug("shm allreduce: %s for %d bytes on %d ranks", choice, nbytes, size)
-    return choice
+    return "replicated" if nbytes <= shm_replicated_bytes(size, small_bytes) else "chunked"
+
+
+def shm_replicated_bytes(size: int, small_bytes: int = SHM_SMALL_ALLREDUCE_BYTES) -> float:
+    """The largest buffer :func:`select_shm_allreduce` gives ``"replicated"`` on a group of
+    ``size`` ranks (every size when ``size == 1``): a group computes it once and compares each
+    op's bytes with it (no call, no log line per op)."""
+    return math.inf if size == 1 else small_bytes

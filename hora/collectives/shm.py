@@ -47,13 +47,13 @@ from hora.collectives._buffers import (
     offsets,
 )
 from hora.collectives.comm import U8, Fabric
-from hora.collectives.ops import ReduceOp, reduce_inplace, scale_inplace
+from hora.collectives.ops import REDUCIBLE, ReduceOp, reduce_inplace, scale_inplace
 from hora.collectives.select import (
     SHM_CHUNK_BYTES,
     SHM_CHUNK_BYTES_OVERSUBSCRIBED,
     SHM_ONE_CHUNK_BYTES,
     SHM_SMALL_ALLREDUCE_BYTES,
-    select_shm_allreduce,
+    shm_replicated_bytes,
 )
 from hora.collectives.shm_allreduce import sync, view
 from hora.errors import MismatchError, TransportError
@@ -77,8 +77,7 @@ class _Collective:
                  tb: TracebackType | None) -> None:
         group = self._group
         if exc is not None:
-            group._broken = f"{type(exc).__name__}: {exc}"
-            group._fabric.close()
+            group._fail(exc)
         elif group._fabric.posted != self._posted:  # a collective that signalled nothing (one
             group._parity ^= 1  # rank, empty buffers) must not flip: see the module docstring
 
@@ -103,6 +102,8 @@ class ShmGroup:
         self._broken: str | None = None
         self._scratch = np.empty(SHM_SMALL_ALLREDUCE_BYTES, np.uint8)
         self._cores = usable_cpus()
+        self._size = fabric.size
+        self._replicated_bytes = shm_replicated_bytes(fabric.size)
 
     @property
     def rank(self) -> int:
@@ -120,6 +121,11 @@ class ShmGroup:
         return self._fabric.describe(peer)
 
     # ---- bookkeeping ---------------------------------------------------------------------------
+    def _fail(self, exc: BaseException) -> None:
+        """A collective failed: close the group (see :meth:`_collective`)."""
+        self._broken = f"{type(exc).__name__}: {exc}"
+        self._fabric.close()
+
     def _collective(self, staged_buf: Array | None = None) -> _Collective:
         """Context of one collective: ``with self._collective() as parity``.
 
@@ -188,36 +194,55 @@ class ShmGroup:
             NotImplementedError: ``op`` is Adasum.
             PeerLostError, HoraTimeoutError: a peer died, closed, or is stuck (named).
         """
-        check_array(buf, "allreduce buffer", writable=True)
-        check_reducible(buf, "allreduce buffer")
-        op = elementwise_op(op)
+        # The checks cost no call when they pass (this runs for every op of the fast lane).
+        if not isinstance(buf, np.ndarray) or buf.ndim != 1 or not buf.flags.c_contiguous \
+                or not buf.flags.writeable:
+            check_array(buf, "allreduce buffer", writable=True)
+        if buf.dtype not in REDUCIBLE:
+            check_reducible(buf, "allreduce buffer")
+        if op is not ReduceOp.Sum and op is not ReduceOp.Average:
+            op = elementwise_op(op)  # (Average is reduced as a Sum: the caller postscales)
         staged = self._staged is not None
         if src is not None:
-            check_array(src, "allreduce src", writable=False)
-            check_same_dtype(src, "allreduce src", buf, "allreduce buffer")
+            if not isinstance(src, np.ndarray) or src.ndim != 1 or not src.flags.c_contiguous:
+                check_array(src, "allreduce src", writable=False)
+            if src.dtype != buf.dtype:
+                check_same_dtype(src, "allreduce src", buf, "allreduce buffer")
             if src.size != buf.size or staged:
                 raise ValueError(f"allreduce src must have the buffer's {buf.size} elements "
                                  f"(it has {src.size}) and needs an unstaged buffer")
-        choice = algorithm or select_shm_allreduce(buf.nbytes, self.size)
-        if choice not in ("replicated", "chunked"):
-            raise ValueError(f"unknown shm allreduce algorithm {choice!r}")
-        with self._collective(buf) as parity:
-            if self.size == 1 or buf.size == 0:
-                if src is not None:
-                    np.copyto(buf, src)
-                scale_inplace(buf, postscale)
-                return
-            if staged and select_shm_allreduce(buf.nbytes, self.size) == "replicated":
-                tmp = self._scratch[:buf.nbytes].view(buf.dtype)
+        nbytes = buf.nbytes
+        small = nbytes <= self._replicated_bytes  # select_shm_allreduce's rule, kept per group
+        if algorithm is None:
+            choice = "replicated" if small else "chunked"
+        elif algorithm in ("replicated", "chunked"):
+            choice = algorithm
+        else:
+            raise ValueError(f"unknown shm allreduce algorithm {algorithm!r}")
+        if staged or self._broken is not None:
+            self._collective(buf)  # raises for a broken group or a staging view not used here
+        if self._size == 1 or buf.size == 0:  # nothing signalled: the parity stays
+            if src is not None:
+                np.copyto(buf, src)
+            scale_inplace(buf, postscale)
+            return
+        parity = self._parity
+        try:
+            if staged and small:
+                tmp = self._scratch[:nbytes].view(buf.dtype)
                 shm_allreduce.staged_small(self._fabric, buf, op, parity, tmp, postscale)
             elif staged:
                 shm_allreduce.staged(self._fabric, buf, op, parity, postscale)
             elif choice == "replicated":
                 shm_allreduce.replicated(self._fabric, buf, op, parity, src, postscale)
             else:
-                chunk = (buf.nbytes if buf.nbytes <= SHM_ONE_CHUNK_BYTES else SHM_CHUNK_BYTES
-                         if self.size <= self._cores else SHM_CHUNK_BYTES_OVERSUBSCRIBED)
+                chunk = (nbytes if nbytes <= SHM_ONE_CHUNK_BYTES else SHM_CHUNK_BYTES
+                         if self._size <= self._cores else SHM_CHUNK_BYTES_OVERSUBSCRIBED)
                 shm_allreduce.chunked(self._fabric, buf, op, parity, chunk, src, postscale)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self._parity = parity ^ 1  # every algorithm above signalled
 
     # ---- other collectives ---------------------------------------------------------------------
     def allgather(self, sendbuf: Array, counts: Sequence[int], out: Array) -> None:

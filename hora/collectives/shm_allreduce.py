@@ -40,7 +40,7 @@ import numpy as np
 
 from hora.collectives._buffers import Array, even_counts, offsets
 from hora.collectives.comm import U8, Fabric
-from hora.collectives.ops import ReduceOp, reduce_inplace, reduce_into, scale_inplace
+from hora.collectives.ops import UFUNCS, ReduceOp, reduce_inplace, reduce_into, scale_inplace
 
 
 def view(raw: U8, nbytes: int, dtype: np.dtype[Any]) -> Array:
@@ -61,16 +61,23 @@ def segments(fabric: Fabric, parity: int, nbytes: int, dtype: np.dtype[Any]) -> 
 
 def replicated(fabric: Fabric, buf: Array, op: ReduceOp, parity: int, src: Array | None = None,
                postscale: float = 1.0) -> None:
-    nbytes = buf.nbytes
-    np.copyto(view(fabric.reserve(parity, nbytes), nbytes, buf.dtype),
-              buf if src is None else src)
-    sync(fabric)
-    segs = segments(fabric, parity, nbytes, buf.dtype)
-    first = segs[0] if fabric.rank != 0 else (buf if src is None else src)
-    reduce_into(buf, first, segs[1], op)  # ((x0 op x1) op x2) ... on every rank: same bytes
-    for seg in segs[2:]:
-        reduce_inplace(buf, seg, op)
-    scale_inplace(buf, postscale)
+    # (the small allreduce of every fast-lane step: written out with as few calls as it takes)
+    nbytes, dtype, rank = buf.nbytes, buf.dtype, fabric.rank
+    data = buf if src is None else src
+    mine = fabric.reserve(parity, nbytes)[:nbytes].view(dtype)
+    mine[...] = data
+    fabric.wait_all(fabric.post())
+    ufunc = UFUNCS[op]
+    if ufunc is np.add and dtype == np.bool_:
+        ufunc = np.logical_or
+    # ((x0 op x1) op x2) ... on every rank: the same bytes everywhere
+    first = data if rank == 0 else fabric.peer(0, parity, nbytes)[:nbytes].view(dtype)
+    for j in range(1, fabric.size):
+        ufunc(first, mine if j == rank else fabric.peer(j, parity, nbytes)[:nbytes].view(dtype),
+              out=buf)
+        first = buf
+    if postscale != 1.0:
+        scale_inplace(buf, postscale)
 
 
 LOOKAHEAD = 1

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from hora.collectives.adasum import FLOAT_DTYPES, check_set
-from hora.collectives.ops import ReduceOp, check_dtype, dtype_name
+from hora.collectives.ops import DTYPE_NAMES, ReduceOp, check_dtype, dtype_name
 from hora.core import aligned, context
 from hora.core.device import DeviceBuffer
 from hora.core.entry import Buffer, Entry
@@ -163,6 +163,19 @@ def _writeback(target: np.ndarray, work: Buffer) -> Callable[[Any], Any] | None:
     return finish
 
 
+REQUEST_CACHE = 4096
+"""Named allreduce requests kept for reuse (a :class:`Request` is never changed once made)."""
+
+_requests: dict[tuple[int, str], tuple[tuple[Any, ...], Request]] = {}
+
+
+def _request(name: str, rank: int, set_id: int, dtype: str, shape: tuple[int, ...], op: int,
+             prescale: float, postscale: float, device: str, group: str) -> Request:
+    return Request(name=name, kind=OpKind.ALLREDUCE, rank=rank, set_id=set_id, dtype=dtype,
+                   shape=list(shape), op=int(op), prescale=float(prescale),
+                   postscale=float(postscale), device=device, group=group)
+
+
 def allreduce_async(tensor: Any, *, name: str | None = None, op: int = ReduceOp.Average,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set,
@@ -177,7 +190,9 @@ def allreduce_async(tensor: Any, *, name: str | None = None, op: int = ReduceOp.
     that disagree get Horovod's "CPU/GPU device selection" mismatch error. ``sync=True``
     promises that the caller waits for the handle at once (sync wrappers; internal).
     """
-    ctx = context.get("allreduce")
+    ctx = context.current
+    if ctx is None:
+        ctx = context.get("allreduce")  # raises NotInitializedError
     entry = allreduce_entry(ctx, tensor, name, op, prescale_factor, postscale_factor,
                             process_set, inplace, output, prefix, device, sync, group)
     ctx.engine.submit(entry)
@@ -189,14 +204,23 @@ def allreduce_entry(ctx: context.Context, tensor: Any, name: str | None, op: int
                     process_set: ProcessSet, inplace: bool, output: np.ndarray | None,
                     prefix: str, device: str, sync: bool, group: str) -> Entry:
     """Check an allreduce's arguments and build its entry (see :func:`allreduce_async`; for
-    calls that submit several ops, :mod:`hora.core.grouped`)."""
+    calls that submit several ops, :mod:`hora.core.grouped`). Every step of a training loop
+    runs this: what passes costs no call beyond the objects the op needs."""
     if type(op) is not ReduceOp:
         op = ReduceOp(op)
-    set_id, ranks = _set_ranks(ctx, process_set)
+    set_id = process_set.process_set_id
+    ranks = None if set_id is None else ctx.engine.registry.member_ranks.get(set_id)
+    if set_id is None or ranks is None or ctx.rank not in ranks:
+        set_id, ranks = _set_ranks(ctx, process_set)  # raises what is wrong
     if op is ReduceOp.Adasum:
         _check_adasum(tensor, ranks)
     original = tensor
-    work = _contiguous(tensor, "allreduce input")
+    if type(tensor) is np.ndarray and tensor.flags.c_contiguous:
+        work: Buffer = tensor
+        dtype = DTYPE_NAMES.get(tensor.dtype) or check_dtype(tensor.dtype, "allreduce input")
+    else:
+        work = _contiguous(tensor, "allreduce input")
+        dtype = check_dtype(work.dtype)
     finish = None
     out: Buffer
     if inplace:
@@ -207,13 +231,30 @@ def allreduce_entry(ctx: context.Context, tensor: Any, name: str | None, op: int
         else:
             out = work
             finish = _writeback(original, work)
+    elif output is not None:
+        out = output
+    elif type(work) is np.ndarray:
+        out = aligned.empty(work.shape, work.dtype)
     else:
-        out = output if output is not None else _empty_like(work)
-    req = Request(name=_full_name(ctx, prefix, name, set_id), kind=OpKind.ALLREDUCE, rank=ctx.rank,
-                  set_id=set_id, dtype=check_dtype(work.dtype), shape=list(work.shape),
-                  op=int(op), prescale=float(prescale_factor), postscale=float(postscale_factor),
-                  device=device, group=group)
-    return _entry(req, work, out, finish, sync)
+        out = _empty_like(work)
+    if name:  # a named op's request repeats step after step: one object while it is equal
+        full = f"{prefix}.{name}"
+        key = (ctx.rank, dtype, work.shape, op, prescale_factor, postscale_factor, device, group)
+        known = _requests.get((set_id, full))
+        if known is not None and known[0] == key:
+            req = known[1]
+        else:
+            req = _request(full, ctx.rank, set_id, dtype, work.shape, op, prescale_factor,
+                           postscale_factor, device, group)
+            if len(_requests) >= REQUEST_CACHE:
+                _requests.clear()
+            _requests[(set_id, full)] = (key, req)
+    else:
+        full = ctx.engine.names.name(prefix, None, set_id)
+        req = _request(full, ctx.rank, set_id, dtype, work.shape, op, prescale_factor,
+                       postscale_factor, device, group)
+    return Entry(request=req, tensor=work, output=out, handle=Handle(full, set_id),
+                 finish=finish, sync=sync)
 
 
 def allgather_async(tensor: Any, *, name: str | None = None,

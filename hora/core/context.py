@@ -63,7 +63,9 @@ ELASTIC_CONNECT_IDLE_S = 15.0
 """Seconds an elastic generation's connection may go without progress before its members ask
 the driver for the next generation."""
 
-_ctx: Context | None = None
+current: Context | None = None
+"""The live context (None before ``init`` and after ``shutdown``): the submit path reads it
+without a call; everything else uses :func:`get`."""
 _lock = threading.RLock()
 _generation = 0
 _atexit_registered = False
@@ -72,7 +74,7 @@ _dynamic = False
 
 def get(what: str = "") -> Context:
     """The live context, or :class:`~hora.errors.NotInitializedError`."""
-    ctx = _ctx
+    ctx = current
     if ctx is None:
         raise NotInitializedError(what)
     return ctx
@@ -83,7 +85,7 @@ process_set_mod.set_rank_source(lambda: get("ProcessSet.rank").rank)
 
 def is_initialized() -> bool:
     """True between ``init()`` and ``shutdown()``."""
-    return _ctx is not None
+    return current is not None
 
 
 def dynamic_process_sets() -> bool:
@@ -104,9 +106,9 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         RendezvousError: the other ranks could not be reached before the start timeout.
         ConfigError: a malformed ``HORA_*`` / ``HOROVOD_*`` setting.
     """
-    global _ctx, _generation, _atexit_registered, _dynamic
+    global current, _generation, _atexit_registered, _dynamic
     with _lock:
-        if _ctx is not None:
+        if current is not None:
             return
         if comm is not None:
             raise ValueError(
@@ -156,7 +158,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
 
         engine = Engine(transport, config, registry, hostnames=hostnames,
                         job_id=job_id_from_env(os.environ, info.secret))
-        _ctx = Context(
+        current = Context(
             config=config, engine=engine, rank=info.rank, size=info.size,
             local_rank=local_rank, local_size=local_size,
             cross_rank=pick(info.cross_rank, slot.cross_rank),
@@ -246,9 +248,9 @@ def _warn_unknown_horovod_vars() -> None:
 
 def shutdown() -> None:
     """Stop the engine and close connections. Pending ops fail; safe when not initialized."""
-    global _ctx
+    global current
     with _lock:
-        ctx, _ctx = _ctx, None
+        ctx, current = current, None
         if ctx is None:
             return
         device.configure("builtin")

@@ -29,7 +29,9 @@ from hora.collectives.ops import scale_inplace, scale_mode
 NATIVE: dict[str, tuple[str, ...]] = {"torch": ("torch",)}
 """Data plane -> the frameworks whose tensors it moves as they are (no host copy)."""
 
-_native: tuple[str, ...] = ()
+native_frameworks: tuple[str, ...] = ()
+"""The frameworks whose tensors this job's data plane moves as they are (see :func:`native`;
+adapters read it on every op)."""
 _allocators: dict[str, Callable[[tuple[int, ...], np.dtype[Any]], DeviceBuffer]] = {}
 
 
@@ -112,14 +114,14 @@ class DeviceBuffer(abc.ABC):
 
 def configure(data_plane: str) -> None:
     """At ``init()``: the frameworks whose tensors this job's data plane takes as they are."""
-    global _native
-    _native = NATIVE.get(data_plane, ())
+    global native_frameworks
+    native_frameworks = NATIVE.get(data_plane, ())
 
 
 def native(framework: str) -> bool:
     """Whether ``framework``'s adapter hands its tensors over as :class:`DeviceBuffer` (the
     job's data plane moves them itself). Checked on every op: a tuple lookup."""
-    return framework in _native
+    return framework in native_frameworks
 
 
 def register_allocator(device: str,

@@ -34,10 +34,9 @@ from hora.core.autotune import Tuning
 from hora.core.coordinator import Coordinator
 from hora.core.deadlock import WaitReports
 from hora.core.dispatch import Responses
-from hora.core.entry import Entry
+from hora.core.entry import Entry, InFlight
 from hora.core.executor import Executor
 from hora.core.fastlane import FastLane
-from hora.core.handle import Handle
 from hora.core.lanes import Lanes
 from hora.core.liveness import Liveness, RemoteAbort
 from hora.core.messages import (
@@ -57,7 +56,7 @@ from hora.core.messages import (
     encode,
     parse_waits,
 )
-from hora.core.naming import AutoNames, InFlight
+from hora.core.naming import AutoNames
 from hora.core.process_set import Registry
 from hora.core.routing import Route
 from hora.errors import HoraError, HoraInternalError, PeerLostError, ShutdownError
@@ -91,12 +90,13 @@ class Engine:
                                   on_negotiated=self._on_negotiated)
         self._reports = WaitReports(transport.wake)  # this rank's long waits, for rank 0
         self._watch = self._reports.watch
-        self._release_done = self._release  # bound once: every op shares it
+        self._release_name = self._in_flight.release  # bound once: every op shares it
         self._lanes = Lanes(transport, registry, config, hostnames, job_id, self._requeue,
                             self._lane_failed, self._reports.watch_flush)
         self._lane_error: BaseException | None = None
         self._coordinator = Coordinator(registry, config) if self.rank == 0 else None
         self._stop = threading.Event()
+        self._stopping = False  # _stop is set (a plain read for the submit path)
         self._error: HoraInternalError | None = None
         self._drained = False  # the thread has failed every op and reads no more submissions
         # Control peers must be heard from within heartbeat_timeout_seconds.
@@ -119,14 +119,19 @@ class Engine:
 
     def submit(self, entry: Entry) -> None:
         """Queue an op. Raises ValueError for a duplicate in-flight name, or the engine's error."""
-        if self._error is not None or self._stop.is_set():
+        if self._error is not None or self._stopping:
             raise self._final_error()
         req = entry.request
         self._in_flight.take(req.set_id, req.name)
-        self._track(entry)
-        kind = entry.request.kind
+        handle = entry.handle
+        handle.set_id = req.set_id
+        handle.release = self._release_name  # frees the name before any waiter wakes
+        handle.watch = self._watch  # one bound method for every op (no allocation)
+        kind = req.kind
         if kind is OpKind.ALLREDUCE or kind is OpKind.ALLGATHER:
-            if self._lanes.take([entry]):
+            lane = self._lanes.by_set.get(req.set_id)  # (an open lane: no lock, no call)
+            if lane is not None and lane.submit([entry]) or lane is None and \
+                    self._lanes.take([entry]):
                 return  # the fast lane runs it: no negotiation
         elif kind is OpKind.JOIN:
             self._lanes.before_join(kind, entry.request.set_id)
@@ -140,7 +145,7 @@ class Engine:
         duplicate name queues none of them."""
         if not entries:
             return
-        if self._error is not None or self._stop.is_set():
+        if self._error is not None or self._stopping:
             raise self._final_error()
         self._in_flight.take_all(entries[0].request.set_id, [e.request.name for e in entries])
         for entry in entries:
@@ -154,7 +159,7 @@ class Engine:
     def _track(self, entry: Entry) -> None:
         """Free the op's name when it completes; report long waits on it."""
         entry.handle.set_id = entry.request.set_id
-        entry.handle.add_done_callback(self._release_done, early=True)  # shared: no closure
+        entry.handle.release = self._release_name
         entry.handle.watch = self._watch  # one bound method for every op (no allocation)
 
     def _enqueue(self, entry: Entry) -> None:
@@ -218,11 +223,6 @@ class Engine:
         """The set's fast lane, if it has one (tests, benchmarks)."""
         return self._lanes.get(set_id)
 
-    def _release(self, handle: Handle) -> None:
-        """The op is done: its name is free (before any waiter wakes: a loop may reuse it)."""
-        self._in_flight.free(handle.set_id, handle.name)
-        handle.watch = None  # (a waiter keeps its own reference to report the end)
-
     def data_path(self, set_id: int = 0) -> str | None:
         """The data path the set's collectives use (after its first one), for logs/benchmarks."""
         return self._executor.route_name(set_id)
@@ -231,9 +231,13 @@ class Engine:
     def error(self) -> HoraInternalError | None:
         return self._error
 
+    def _halt(self) -> None:
+        self._stopping = True
+        self._stop.set()
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the thread: pending ops fail with ShutdownError; tell the coordinator we left."""
-        self._stop.set()
+        self._halt()
         self.transport.wake()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
@@ -368,7 +372,7 @@ class Engine:
                 self._error = ShutdownError(
                     "Horovod has been shut down: rank 0 called shutdown() or exited; no more "
                     "collectives can run in this job.")
-                self._stop.set()
+                self._halt()
                 return True
             elif kind == MSG_ABORT:
                 raise RemoteAbort(str(body.get("reason", "another rank failed")), sender)
@@ -394,7 +398,7 @@ class Engine:
             self._error = error
         log.error("%s", self._error)
         self.timeline.fail_all(str(self._error))
-        self._stop.set()
+        self._halt()
 
     def _fail_all(self, error: HoraInternalError) -> None:
         self._drained = True  # before draining: see _enqueue

@@ -16,6 +16,7 @@ import numpy as np
 
 from hora._util.log import get_logger
 from hora.collectives.comm import Comm, SubComm
+from hora.collectives.ops import SUPPORTED_DTYPES as DTYPES
 from hora.collectives.ops import ReduceOp, scale_inplace, to_dtype
 from hora.config import Config
 from hora.core import aligned, device_exec
@@ -63,6 +64,10 @@ class Executor:
                  job_id: str = "",
                  on_negotiated: Callable[[Route, Response], None] | None = None) -> None:
         self._tl = timeline if timeline is not None else Timeline()
+        # False for a fast lane's executor: its timeline never records (a lane exists only
+        # without a configured timeline), so its ops skip the timeline hooks without a call
+        self._recordable = timeline is not None
+        self._builtin = config.data_plane == "builtin"  # hora moves the bytes (no device forms)
         self._comm = comm
         self._registry = registry
         self._config = config
@@ -167,7 +172,9 @@ class Executor:
             self._control_op(resp, entries)
             tl.op_end(resp.names[0])
             return
-        route = self.route_for(resp.set_id)
+        route = self._routes.get(resp.set_id)
+        if route is None:
+            route = self.route_for(resp.set_id)
         if self.observe is not None:
             self.observe(resp)
         if self._on_negotiated is not None and (kind is OpKind.ALLREDUCE
@@ -207,38 +214,48 @@ class Executor:
             _complete(entry, value)
 
     def _allreduce(self, route: Route, resp: Response, entries: dict[str, Entry]) -> None:
-        dtype = to_dtype(resp.dtype)
-        local = [entries.pop(n, None) for n in resp.names]
-        try:
+        dtype = DTYPES.get(resp.dtype) or to_dtype(resp.dtype)
+        names = resp.names
+        # Decided from the response alone, so every rank takes the same path (a shared-memory
+        # allreduce must be staged on all ranks or on none).
+        single = len(names) == 1 and not resp.joined
+        if single:  # (one op: no comprehension, every step of the fast lane runs this)
+            local = [entries.pop(names[0], None)]
+            sizes = [math.prod(resp.shapes[0])]
+        else:
+            local = [entries.pop(n, None) for n in names]
             sizes = [math.prod(s) for s in resp.shapes]
+        try:
             total = sum(sizes)
-            # Decided from the response alone, so every rank takes the same path (a shared-memory
-            # allreduce must be staged on all ranks or on none).
-            single = len(resp.names) == 1 and not resp.joined
             if single and (local[0] is None or local[0].output is None):
-                raise MismatchError(f"allreduce '{resp.names[0]}' has no output on this rank")
-            plane = self._on_device(route, local)
+                raise MismatchError(f"allreduce '{names[0]}' has no output on this rank")
+            plane = None if self._builtin else self._on_device(route, local)
             like = device_exec.template(resp, local) if plane is not None else None
             if plane is not None and like is not None:  # on the device (the torch plane)
                 if self._tl.recording:
-                    self._tl.activity_start_all(resp.names,
-                                                collective_activity(route.name, resp.kind))
+                    self._tl.activity_start_all(names, collective_activity(route.name, resp.kind))
                 device_exec.allreduce(plane, resp, local, like,
                                       self._scratch_for(total * dtype.itemsize), self._done)
                 return
             src = None  # the input, when the collective reads it from there (no copy in)
             if single:
                 entry = local[0]
-                assert entry is not None and entry.output is not None
-                out, x = _host(entry.output), _host(entry.tensor)
+                assert entry is not None
+                out, x = entry.output, entry.tensor
+                assert isinstance(out, np.ndarray) and isinstance(x, np.ndarray), \
+                    "a host form got a device buffer"
                 if out is not x:
-                    if resp.prescale == 1.0 and not np.may_share_memory(out, x):
+                    # (np.may_share_memory's bounds test on two C-contiguous arrays, inline)
+                    start, x_start = (out.__array_interface__["data"][0],
+                                      x.__array_interface__["data"][0])
+                    if resp.prescale == 1.0 and (start + out.nbytes <= x_start
+                                                 or x_start + x.nbytes <= start):
                         src = x.reshape(-1)
                     else:
                         np.copyto(out, x)
                 buf = out.reshape(-1)
             else:
-                self._tl.activity_start_all(resp.names, MEMCPY_IN_FUSION_BUFFER)
+                self._tl.activity_start_all(names, MEMCPY_IN_FUSION_BUFFER)
                 staged = (route.staging(total * dtype.itemsize)  # shared memory: packing is
                           if resp.op != ReduceOp.Adasum else None)  # the only copy (not Adasum's)
                 buf = (staged.view(dtype) if staged is not None
@@ -253,18 +270,29 @@ class Executor:
             postscale = resp.postscale
             if resp.op == ReduceOp.Average:
                 postscale = postscale / route.comm.size
-            scale_inplace(buf, resp.prescale)
-            recording = self._tl.recording
+            if resp.prescale != 1.0:
+                scale_inplace(buf, resp.prescale)
+            recording = self._recordable and self._tl.recording
             if recording:
-                self._tl.activity_start_all(resp.names,
-                                            collective_activity(route.name, resp.kind))
-            route.allreduce(buf, _OPS[resp.op], self._scratch_for(buf.nbytes),  # Adasum: each
+                self._tl.activity_start_all(names, collective_activity(route.name, resp.kind))
+            scratch = self._scratch  # (enough for one ring chunk, or for a whole small buffer)
+            if scratch.nbytes < buf.nbytes:
+                scratch = self._scratch_for(buf.nbytes)
+            route.allreduce(buf, _OPS[resp.op], scratch,  # Adasum: each tensor's size
                             counts=sizes if resp.op == ReduceOp.Adasum and not single else None,
                             src=src, postscale=postscale)
+            if single and not recording:
+                entry = local[0]
+                assert entry is not None
+                if entry.finish is None:
+                    entry.handle.set_result(entry.output)
+                else:
+                    _complete(entry, entry.output)
+                return
             if not single and recording:
-                self._tl.activity_start_all(resp.names, MEMCPY_OUT_FUSION_BUFFER)
+                self._tl.activity_start_all(names, MEMCPY_OUT_FUSION_BUFFER)
             offset = 0
-            for name, entry, n, shape in zip(resp.names, local, sizes, resp.shapes):
+            for name, entry, n, shape in zip(names, local, sizes, resp.shapes):
                 if recording:
                     self._tl.op_end(name, resp.dtype, shape)
                 if entry is not None:

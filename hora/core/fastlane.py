@@ -35,9 +35,9 @@ on a thread waiting for one of its ops (a handle's ``driver``; a grouped call's 
 its members' lane), saving two thread hand-offs; it never waits for the engine thread, nor the
 engine for it: a member blocked in a negotiated op cannot deadlock a lane op.
 
-**Waiting.** Each board has a *doorbell* word: appending rings the leader's, deciding rings
-every member's. A lane thread with nothing to do sleeps on its doorbell (``FUTEX_WAIT``, in slices
-so that a wakeup lost between two ringers costs at most a slice).
+**Waiting.** Appending rings the leader's doorbell (a board word), deciding rings every
+member's; an idle lane thread sleeps on its own (``FUTEX_WAIT``, in slices: a lost wakeup costs
+at most a slice).
 
 **Failure.** A position undecided for ``HOROVOD_STALL_CHECK_TIME_SECONDS`` is decided ``OFF`` by
 the leader, so the stalled ops reach the coordinator, whose stall inspector names the missing
@@ -110,8 +110,8 @@ class FastLane:
     """
 
     def __init__(self, set_id: int, route: Route, config: Config, executor: Executor,
-                 requeue: Callable[[Entry], None],
-                 failed: Callable[[BaseException], None], *, start: int = 0) -> None:
+                 requeue: Callable[[Entry], None], failed: Callable[[BaseException], None], *,
+                 start: int = 0) -> None:
         lane_route = route.lane_route()
         if lane_route is None or route.lane_group is None:
             raise ValueError("the route has no lane group")
@@ -146,12 +146,11 @@ class FastLane:
         # driving (one driver at a time: the lane thread or a waiting user thread)
         self._drive_lock = threading.Lock()
         self._consumed = self._read = 0
-        self.thread_ops = 0  # of which the lane thread ran (the rest: waiting callers)
-        self.batches = 0  # collectives run
-        self.fast_ops = 0  # ops this rank ran through the lane (tests, benchmarks)
+        # ops this rank ran through the lane, of them run by its thread (the rest: by waiting
+        # callers), and collectives run (tests, benchmarks)
+        self.fast_ops = self.thread_ops = self.batches = 0
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name=f"hora-lane-{set_id}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"hora-lane-{set_id}", daemon=True)
         if start:
             self._boards.prefill(start)
             self._count = start
@@ -205,8 +204,8 @@ class FastLane:
             if slots is None:
                 values = [MISS] * n
             else:
-                values = [slot.index | GROUPED for slot in slots]
-                values[-1] = slots[-1].index
+                values = [slots[0].index] if n == 1 else (  # (one op: no comprehension)
+                    [slot.index | GROUPED for slot in slots[:-1]] + [slots[-1].index])
                 drive = self._drive
                 for i, entry in enumerate(entries):
                     self._entries[count + i] = entry
@@ -223,9 +222,8 @@ class FastLane:
         return hit
 
     def _make_room(self, n: int) -> None:
-        """``n`` more entries may not fit the log (this rank is far ahead of the slowest member:
-        a burst of ops, a large grouped call): drive the lane until they do, as :meth:`flush`
-        waits, for up to :data:`ROOM_WAIT_S` (the caller then closes the log)."""
+        """``n`` more entries may not fit the log (a burst far ahead of the slowest member): drive
+        the lane until they do, as :meth:`flush`, for up to :data:`ROOM_WAIT_S`."""
         self._wait_lane(lambda: self._closed or self._boards.backlog(self._count) + n
                         <= LOG_CAPACITY, ROOM_WAIT_S)
 
@@ -248,11 +246,10 @@ class FastLane:
             raise type(self._error)(str(self._error))
 
     def _wait_lane(self, done: Callable[[], bool], limit: float | None) -> None:
-        """Drive the lane until ``done()`` (or for ``limit`` seconds). A wait that lasts
-        ``BLOCKED_AFTER_S`` reports this rank blocked in the lane (:attr:`on_flush_blocked`), so
-        that members which never log the positions it waits for are a deadlock the coordinator
-        resolves in about a second by closing the lane (which hands every logged op to the
-        negotiated path); otherwise the position is decided OFF after the stall time."""
+        """Drive the lane until ``done()`` (or for ``limit`` seconds). A wait of
+        ``BLOCKED_AFTER_S`` reports this rank blocked in the lane (:attr:`on_flush_blocked`):
+        members that never log what it waits for are a deadlock, which the coordinator resolves
+        by closing the lane (else the position is decided OFF after the stall time)."""
         reported = False
         start = time.monotonic()
         end = math.inf if limit is None else start + limit
@@ -280,24 +277,28 @@ class FastLane:
         if self._stop or self._error is not None:  # failed or stopped (its boards may be gone):
             self._drive_lock.release()  # the engine completes the ops; the caller waits for that
             return
-        boards = self._boards
-        boards.set_driving(True)  # rings now wake this thread, not the lane thread
-        seen = boards.doorbell()
+        boards, leader = self._boards, self._leader
+        seen = boards.start_driving()  # rings now wake this thread, not the lane thread
         try:
-            while not until() and not self._stop and self._error is None:
-                seen = boards.doorbell()
-                if self._step():
+            while not self._stop and self._error is None:
+                busy = leader.decide() if leader is not None else False
+                if self._apply():
+                    busy = True
+                if until():
+                    return
+                if busy:
+                    seen = boards.doorbell()
                     continue
                 if end is not None and time.monotonic() >= end:
                     return
                 # a peer a step behind rings within microseconds: spin before sleeping
-                boards.wait_doorbell(seen, self._spin, BUSY_SLICE_S)
+                seen = boards.wait_doorbell(seen, self._spin, BUSY_SLICE_S)
         except BaseException as exc:  # noqa: BLE001 - the lane fails; waiters see the error
             self._fail(exc)
         finally:
-            boards.set_driving(False)
+            rang = boards.stop_driving(seen)
             self._drive_lock.release()
-            if boards.doorbell() != seen and self._consumed < self._count:
+            if rang and self._consumed < self._count:
                 boards.ring_lane()  # a ring came after our last look: pass it on
 
     def _run(self) -> None:
@@ -308,7 +309,9 @@ class FastLane:
                 if self._drive_lock.acquire(blocking=False):
                     try:
                         n = self.fast_ops
-                        busy = self._step()
+                        if self._error is None:  # decide (the leader) and apply decisions
+                            busy = self._leader.decide() if self._leader is not None else False
+                            busy = self._apply() or busy
                         self.thread_ops += self.fast_ops - n
                     finally:
                         self._drive_lock.release()
@@ -323,19 +326,15 @@ class FastLane:
         return (self._consumed < self._count or self._boards.decisions_waiting(self._read)
                 or (self._leader is not None and self._leader.pending()))
 
-    def _step(self) -> bool:
-        """Decide (leader) and apply decisions; True if anything happened."""
-        if self._error is not None:
-            return False
-        busy = self._leader.decide() if self._leader is not None else False
-        return self._apply() or busy
-
     # ---- every member ------------------------------------------------------------------------
     def _apply(self) -> bool:
+        if self._off:
+            return False
         boards = self._boards
-        done = False
-        while not self._off and boards.decisions_waiting(self._read):
-            kind, length = boards.decision(self._read)
+        decisions = boards.decisions(self._read)
+        for kind, length in decisions:
+            if self._off:
+                break
             if kind == FAST:
                 self._run_batch(self._consumed, length)
                 self._consumed += length
@@ -350,8 +349,7 @@ class FastLane:
                 self._go_off()
             self._read += 1
             boards.consumed(self._read, self._consumed)
-            done = True
-        return done
+        return bool(decisions)
 
     def _run_batch(self, start: int, length: int) -> None:
         entries: list[Entry] = []
@@ -364,8 +362,9 @@ class FastLane:
         self._running = entries
         try:
             responses = self._cache.responses(entries, self._boards.rows, start)
-            if len(responses) == 1:
-                self._executor.execute(responses[0], {e.request.name: e for e in entries})
+            if len(responses) == 1:  # (one op: no comprehension)
+                self._executor.execute(responses[0], {entries[0].request.name: entries[0]}
+                                       if length == 1 else {e.request.name: e for e in entries})
             else:  # allgathers: one collective each
                 for resp, entry in zip(responses, entries):
                     self._executor.execute(resp, {entry.request.name: entry})
@@ -403,7 +402,7 @@ class FastLane:
     def abort(self, error: BaseException, settle: float = 0.0, fail_ops: bool = True) -> None:
         """Close the lane, send its drivers away, and fail every op still in it with ``error``
         (not with ``fail_ops=False``); log nothing more. ``settle``: a peer shut down: a batch
-        running now may end first, within that long (the peer completed it)."""
+        running now may end first, within that long."""
         if settle:
             self._stop = True  # a driver leaves after its batch (within a doorbell slice)
             if self._drive_lock.acquire(timeout=settle):

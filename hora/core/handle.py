@@ -30,7 +30,7 @@ class Handle:
     """
 
     __slots__ = ("_callbacks", "_done", "_early", "_error", "_gate", "_lock", "_result", "driver",
-                 "name", "set_id", "watch")
+                 "name", "release", "set_id", "watch")
 
     def __init__(self, name: str, set_id: int = 0) -> None:
         self.name = name
@@ -45,6 +45,9 @@ class Handle:
         self._lock = threading.Lock()
         # Set while the op is in the fast lane: wait() lends the calling thread to run it.
         self.driver: Driver | None = None
+        # The engine's: frees the op's name when it completes, before any waiter wakes (so a
+        # loop may reuse the name at once); must not wait on the handle.
+        self.release: Callable[[Handle], None] | None = None
         # Told True when a wait has lasted BLOCKED_AFTER_S, False when that wait ends: the
         # engine reports blocked ranks to the coordinator, which detects certain deadlocks.
         self.watch: Callable[[Handle, bool], None] | None = None
@@ -97,12 +100,14 @@ class Handle:
 
     def _driven(self) -> bool:
         """A waiter driving the lane may stop: the op finished or left the lane."""
-        return self._done or self.lane_driver() is None
+        return self._done or self.driver is None
 
     def _wait_done(self, timeout: float | None) -> bool:
         """Wait up to ``timeout`` (None: no limit); True once done. Runs the op on this thread
         while it is in the fast lane."""
-        driver = self.lane_driver()
+        driver = self.driver
+        if driver is None:
+            driver = self.lane_driver()  # (a group's: its members' lane)
         left = timeout
         if driver is not None and not self._done:
             start = time.monotonic()
@@ -134,24 +139,27 @@ class Handle:
                 return
         fn(self)
 
-    def set_result(self, value: Any) -> None:
-        self._finish(value, None)
-
-    def set_error(self, error: BaseException) -> None:
-        self._finish(None, error)
-
-    def _finish(self, value: Any, error: BaseException | None) -> None:
+    def _finish(self, value: Any, error: BaseException | None = None) -> None:
         with self._lock:
             if self._done:
                 return
             self._result, self._error = value, error
+            if self.release is not None:
+                self.release(self)
             for fn in self._early:
                 fn(self)
+            self.watch = None  # (a waiter keeps its own reference to report the end)
             self._done = True
             self._gate.release()
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             fn(self)
+
+    set_result = _finish
+    """Complete with a result (``set_result(value)``)."""
+
+    def set_error(self, error: BaseException) -> None:
+        self._finish(None, error)
 
 
 class DerivedHandle(Handle):
@@ -186,7 +194,7 @@ class DerivedHandle(Handle):
     def add_done_callback(self, fn: Callable[[Handle], None], early: bool = False) -> None:
         self._inner.add_done_callback(lambda _h: fn(self), early)
 
-    def set_result(self, value: Any) -> None:
+    def set_result(self, value: Any, error: BaseException | None = None) -> None:
         raise TypeError("a DerivedHandle is completed by its inner handle")
 
     def set_error(self, error: BaseException) -> None:
@@ -249,6 +257,9 @@ class GroupHandle(Handle):
         self.watch = self._watch_members
         for m in members:
             m.add_done_callback(self._member_done)
+
+    def _driven(self) -> bool:
+        return self._done or self.lane_driver() is None
 
     def lane_driver(self) -> Driver | None:
         for m in self._members:

@@ -26,7 +26,7 @@ from hora.core.agreement import (
     response_signature,
 )
 from hora.core.entry import Entry
-from hora.core.messages import OpKind, Response
+from hora.core.messages import OpKind, Request, Response
 from hora.core.naming import is_automatic
 from hora.core.routing import Route
 
@@ -62,6 +62,7 @@ class Slot:
     shape: tuple[int, ...]
     nbytes: int
     fusion: FusionKey | None
+    response: Response | None = None  # an allreduce's response when it runs alone
 
     def fuses_with(self, other: Slot) -> bool:
         return self.fusion is not None and self.fusion == other.fusion
@@ -85,6 +86,9 @@ class SlotCache:
         self.limit = limit
         self.slots: list[Slot] = []  # written on the engine thread, read by every other
         self._by_name: dict[str, Slot] = {}
+        # name -> the last request found to agree with its slot (requests never change, so the
+        # same object agrees again without the comparison); dropped when the slot changes
+        self._agreed: dict[str, Request] = {}
         self._responses: dict[tuple[str, ...], Response] = {}  # the driving thread's only
         self._stale = False
 
@@ -118,11 +122,16 @@ class SlotCache:
         if old is None and len(self.slots) >= self._capacity:
             return  # full: like Horovod's cache at capacity, new names are negotiated
         index = len(self.slots) if old is None else old.index
-        slot = Slot(index, name, kind, signature, shape, nbytes, fusion)
+        alone = None if fusion is None else Response(
+            kind=OpKind.ALLREDUCE, names=[name], set_id=self._set_id, dtype=fusion.dtype,
+            device=fusion.device, op=fusion.op, prescale=fusion.prescale,
+            postscale=fusion.postscale, shapes=[list(shape)])  # built once, run every step
+        slot = Slot(index, name, kind, signature, shape, nbytes, fusion, alone)
         if old is None:
             self.slots.append(slot)
         elif old != slot:
             self.slots[index] = slot
+            self._agreed.pop(name, None)
             self._stale = True  # cached responses may name the old shape
         self._by_name[name] = slot
 
@@ -139,8 +148,12 @@ class SlotCache:
         for entry in entries:
             req = entry.request
             slot = self._by_name.get(req.name)
-            if slot is None or not agrees(slot.signature, req):  # (the kind is in it)
+            if slot is None:
                 return None
+            if self._agreed.get(req.name) is not req:  # (the API reuses an equal request)
+                if not agrees(slot.signature, req):  # (the kind is in it)
+                    return None
+                self._agreed[req.name] = req
             if slot.kind is OpKind.ALLREDUCE:
                 if entry.output is None:
                     return None
@@ -155,6 +168,10 @@ class SlotCache:
         """What the coordinator would have sent for the batch ``entries`` (log positions
         ``start, start + 1, ...``): one fused allreduce, or one allgather per entry, whose
         first dimensions ``rows(position)`` reads from every member's board."""
+        if len(entries) == 1:
+            slot = self._by_name[entries[0].request.name]
+            if slot.response is not None:  # one allreduce (every step of a small model)
+                return [slot.response]
         if self._stale:
             self._stale = False
             self._responses.clear()

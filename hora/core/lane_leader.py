@@ -41,6 +41,7 @@ from hora.transports.shm_board import (
     MAX_LENGTH,
     OFF,
     SLOT_MASK,
+    UNLOGGED,
     UNWRITTEN,
     LaneBoards,
 )
@@ -79,6 +80,8 @@ class Leader:
         self._decided = 0  # next undecided position
         self._published = 0  # decisions published
         self._undecided_since: float | None = None
+        self._waiting_at = -1  # the position the stall clock runs for
+        self._room = 0  # decisions that may still be published (lower bound)
         self._off = False  # OFF published: nothing more to decide
 
     def pending(self) -> bool:
@@ -90,21 +93,41 @@ class Leader:
         if self._off:
             return False
         boards = self._boards
-        room = boards.decision_room(self._published)
+        look = boards.look
         slots = self._cache.slots
         made = 0
-        while made < room:
+        while True:
+            if self._room <= 0:  # (a lower bound, refreshed only when it runs out)
+                self._room = boards.decision_room(self._published)
+                if self._room <= 0:
+                    break
             p = self._decided
-            status, at, unit = self._unit(p, slots)
+            value = look(p, len(slots))  # (one op every member logged alike: no more calls)
+            if value >= 0 and not value & GROUPED:
+                status, at, unit = AGREED, p + 1, [slots[value & SLOT_MASK]]
+            elif value in (UNWRITTEN, UNLOGGED):
+                status, at, unit = UNWRITTEN, p, []
+                if value == UNLOGGED:  # nobody waits for it: no stall clock
+                    self._undecided_since = None
+                    break
+            else:
+                status, at, unit = self._unit(p, slots)
             if status == DIFFERENT:  # negotiated up to where every member's unit ends
                 aligned, end = self._aligned(at)
                 if not aligned:
                     status, at = UNWRITTEN, end
-            if status == CLOSED or (status == UNWRITTEN and self._stalled(at)):
+            if status == UNWRITTEN:
+                since = self._undecided_since
+                if value == UNWRITTEN and (since is None or at != self._waiting_at):
+                    self._undecided_since, self._waiting_at = time.monotonic(), at  # its clock
+                elif (since is None or at != self._waiting_at
+                      or 0 < self._stall_s <= time.monotonic() - since) and self._stalled(at):
+                    status = CLOSED  # (a call only where the clock may have run out)
+                if status == UNWRITTEN:
+                    break
+            if status == CLOSED:
                 self._publish(OFF, 0)
                 made += 1
-                break
-            if status == UNWRITTEN:
                 break
             self._undecided_since = None
             made += 1
@@ -117,28 +140,45 @@ class Leader:
                 self._publish(FAST if fits else DIVERGED, len(unit))
                 self._decided = at
             else:
-                q, total = self._fused(unit)
-                if q == len(unit):  # the whole unit: more units may join it
-                    q += p
-                    while q - p < MAX_LENGTH:
-                        status, end, more = self._unit(q, slots)
-                        if status != AGREED:
-                            if status == UNWRITTEN:
-                                room = made  # the next pass would find the same: stop here
-                            break
-                        grown = total + sum(slot.nbytes for slot in more)
-                        if not all(unit[0].fuses_with(slot) for slot in more) \
-                                or grown > self._cache.limit or not self._route.fits(grown) \
-                                or any(s.nbytes >= SOLO_BYTES for s in (*unit, *more)):
-                            break
-                        total, q = grown, end
-                    q -= p
+                q, total = (1, unit[0].nbytes) if len(unit) == 1 else self._fused(unit)
+                waiting = False
+                if q == len(unit) and total < SOLO_BYTES:  # the whole unit: more may join it
+                    end, waiting = self._grow(p, at, unit[0], total, slots)
+                    q = end - p
                 self._publish(FAST, q)  # (a unit larger than one op: its first part)
                 self._decided = p + q
+                if waiting:  # the next position is not logged everywhere yet: stop here
+                    break
         if made:
             for peer in range(1, boards.size):
                 boards.ring(peer)
         return made > 0
+
+    def _grow(self, p: int, q: int, first: Slot, total: int,
+              slots: list[Slot]) -> tuple[int, bool]:
+        """``(end, waiting)``: the end of a fused allreduce that starts with the units at
+        ``p .. q - 1`` (``total`` bytes, fusion key of ``first``), which the following units
+        every member logged alike join while they fuse (one key, within the fusion limit and
+        the route, none of :data:`SOLO_BYTES`); ``waiting``: it ended at a position some member
+        has not logged yet."""
+        look = self._boards.look
+        while q - p < MAX_LENGTH:
+            value = look(q, len(slots))
+            if value >= 0 and not value & GROUPED:
+                end, more = q + 1, [slots[value & SLOT_MASK]]
+            elif value in (UNWRITTEN, UNLOGGED):
+                return q, True
+            else:
+                status, end, more = self._unit(q, slots)
+                if status != AGREED:
+                    return q, status == UNWRITTEN
+            grown = total + sum(slot.nbytes for slot in more)
+            if not all(first.fuses_with(slot) for slot in more) \
+                    or grown > self._cache.limit or not self._route.fits(grown) \
+                    or any(s.nbytes >= SOLO_BYTES for s in more):
+                break
+            total, q = grown, end
+        return q, False
 
     def _unit(self, p: int, slots: list[Slot]) -> tuple[int, int, list[Slot]]:
         """The unit logged at ``p``: ``(AGREED, end, its slots)`` when every member logged it
@@ -151,7 +191,7 @@ class Leader:
         while True:
             value = look(x, known)
             if value < 0:
-                return value, x, []
+                return (UNWRITTEN if value == UNLOGGED else value), x, []
             unit.append(slots[value & SLOT_MASK])
             x += 1
             if not value & GROUPED:
@@ -187,18 +227,20 @@ class Leader:
     def _publish(self, kind: int, length: int) -> None:
         self._boards.publish(self._published, kind, length)
         self._published += 1
+        self._room -= 1
         if kind == OFF:
             self._off = True
 
     def _stalled(self, p: int) -> bool:
-        """Position ``p`` waits for some member; True once that took the stall time."""
+        """Position ``p`` waits for some member; True once that took the stall time (its clock
+        runs while some member has logged ``p``)."""
         written = self._boards.written(p)
         if not any(written):
             self._undecided_since = None
             return False
         now = time.monotonic()
-        if self._undecided_since is None:
-            self._undecided_since = now
+        if self._undecided_since is None or p != self._waiting_at:
+            self._undecided_since, self._waiting_at = now, p
             return False
         if self._stall_s <= 0 or now - self._undecided_since < self._stall_s:
             return False

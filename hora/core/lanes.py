@@ -52,7 +52,9 @@ class Lanes:
         self._requeue = requeue
         self._failed = failed
         self._watch_flush = watch_flush
-        self._lanes: dict[int, FastLane] = {}
+        # set -> its lane; the submit path reads it without the lock: a lane replaced meanwhile
+        # is closed and refuses the ops (which then go to the negotiated path)
+        self.by_set: dict[int, FastLane] = {}
         self._lock = threading.Lock()  # orders allreduce submissions and lane creation
         self._positions: dict[int, int] = {}  # set -> lane ops submitted (log positions)
         self._joining: set[int] = set()  # sets this rank joined (until every member has)
@@ -60,16 +62,20 @@ class Lanes:
         self.observe: Callable[[Response], None] | None = None
 
     def get(self, set_id: int) -> FastLane | None:
-        return self._lanes.get(set_id)
+        return self.by_set.get(set_id)
 
     # ---- user threads ------------------------------------------------------------------------
     def take(self, entries: list[Entry]) -> bool:
         """A unit of ops of a kind in :data:`~hora.core.fastlane.KINDS` was submitted (one op,
-        or a grouped call's members): True if the set's lane runs it (no negotiation)."""
+        or a grouped call's members): True if the set's lane runs it (no negotiation).
+
+        While the set has a lane, the engine submits to it directly (:attr:`by_set`): the
+        count of positions only matters for a lane opened later, and once a set had a lane it
+        never opens one from that count again (a completed join starts its new lane at 0)."""
         set_id = entries[0].request.set_id
         with self._lock:  # ops counted before a lane opens are its first positions (misses)
             self._positions[set_id] = self._positions.get(set_id, 0) + len(entries)
-            lane = self._lanes.get(set_id)
+            lane = self.by_set.get(set_id)
         # (not under the lock: submit may wait for room in the log, and the engine thread takes
         # the lock to open a lane; a lane replaced meanwhile is closed, so it refuses the ops)
         return lane is not None and lane.submit(entries)
@@ -81,7 +87,7 @@ class Lanes:
         with self._lock:
             if kind is OpKind.JOIN:
                 self._joining.add(set_id)
-            lane = self._lanes.get(set_id)
+            lane = self.by_set.get(set_id)
         if lane is not None:
             lane.close_log()
             lane.flush()
@@ -90,14 +96,14 @@ class Lanes:
     def on_negotiated(self, route: Route, resp: Response) -> None:
         """Before a negotiated allreduce or allgather runs: open the set's lane if it has none,
         learn it."""
-        lane = self._lanes.get(resp.set_id)
+        lane = self.by_set.get(resp.set_id)
         if lane is None and route.lane_group is not None:
             with self._lock:  # lane ops submitted before now were not logged: the lane counts
                 # them as misses, so position n stays the n-th lane op everywhere
                 lane = self._new(resp.set_id, route, self._positions.get(resp.set_id, 0))
                 if resp.set_id in self._joining:  # joined before its lane existed: it logs
                     lane.close_log()  # nothing, so the others must not wait for it
-                self._lanes[resp.set_id] = lane
+                self.by_set[resp.set_id] = lane
             log.info("process set %d: fast lane on (allreduces and allgathers negotiated once "
                      "skip rank 0; up to %d names)", resp.set_id, self._config.cache_capacity)
             lane.start()
@@ -119,7 +125,7 @@ class Lanes:
         next decision on (one party decides each fusion, so no member needs to switch at the
         same time as the others); lanes opened later start with it."""
         self._config = config
-        for lane in list(self._lanes.values()):
+        for lane in list(self.by_set.values()):
             lane.retune(config.fusion_threshold)
 
     def joined(self, set_id: int, route: Route | None) -> None:
@@ -129,7 +135,7 @@ class Lanes:
         built collectively; the slots carry over.
         """
         with self._lock:  # submissions go to the negotiated path until the new lane exists
-            old = self._lanes.pop(set_id, None)
+            old = self.by_set.pop(set_id, None)
             self._joining.discard(set_id)
         if old is None or route is None:
             return
@@ -139,7 +145,7 @@ class Lanes:
         lane = self._new(set_id, route, 0)
         lane.adopt_cache(old)
         with self._lock:  # every member starts its new log at position 0 here
-            self._lanes[set_id] = lane
+            self.by_set[set_id] = lane
         lane.start()
 
     def join_failed(self, set_id: int) -> None:
@@ -149,13 +155,13 @@ class Lanes:
 
     def close(self, set_id: int) -> None:
         """Rank 0 asked (a suspected deadlock): log nothing more; the leader turns it off."""
-        lane = self._lanes.get(set_id)
+        lane = self.by_set.get(set_id)
         if lane is not None:
             lane.close_log()
 
     def remove(self, set_id: int) -> None:
         """The process set was removed."""
-        lane = self._lanes.pop(set_id, None)
+        lane = self.by_set.pop(set_id, None)
         if lane is not None:
             lane.stop()
 
@@ -164,8 +170,8 @@ class Lanes:
         peer's shutdown notice (a :class:`ShutdownError`) a batch already running finishes
         first, for up to :data:`SETTLE_S`: the departed rank completed it."""
         settle = SETTLE_S if isinstance(error, ShutdownError) else 0.0
-        for lane in list(self._lanes.values()):
+        for lane in list(self.by_set.values()):
             if error is not None:
                 lane.abort(error, settle)
             lane.stop()
-        self._lanes.clear()
+        self.by_set.clear()

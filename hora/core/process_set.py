@@ -87,7 +87,9 @@ class Registry:
     def __init__(self, size: int) -> None:
         self._lock = threading.Lock()
         self._sets: dict[int, list[int]] = {0: list(range(size))}
-        self._frozen: dict[int, tuple[int, ...]] = {0: tuple(range(size))}
+        # set -> its ranks, read without the lock (one dict read is atomic, and a set's ranks
+        # never change once registered): the submit path reads it for every op
+        self.member_ranks: dict[int, tuple[int, ...]] = {0: tuple(range(size))}
         self._next_id = 1
 
     def register(self, ranks: list[int], set_id: int | None = None) -> int:
@@ -96,7 +98,7 @@ class Registry:
             if set_id is None:
                 set_id = self._next_id
             self._sets[set_id] = sorted(ranks)
-            self._frozen[set_id] = tuple(self._sets[set_id])
+            self.member_ranks[set_id] = tuple(self._sets[set_id])
             self._next_id = max(self._next_id, set_id + 1)
             return set_id
 
@@ -117,7 +119,7 @@ class Registry:
             if set_id == 0 or set_id not in self._sets:
                 return False
             del self._sets[set_id]
-            self._frozen.pop(set_id, None)
+            self.member_ranks.pop(set_id, None)
             return True
 
     def ranks(self, set_id: int) -> list[int] | None:
@@ -128,7 +130,7 @@ class Registry:
     def members(self, set_id: int) -> tuple[int, ...] | None:
         """The set's ranks, without a copy or a lock (the submit path calls this for every op;
         one dict read is atomic, and a set's ranks never change once registered)."""
-        return self._frozen.get(set_id)
+        return self.member_ranks.get(set_id)
 
     def ids(self) -> list[int]:
         with self._lock:

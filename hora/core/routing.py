@@ -92,14 +92,14 @@ class Route:
         self._lane = lane  # a fast lane's route: its thread never touches the set's TCP comm
         self._config = config
         self._shm_free = shm_free
+        self._shm_bytes = _shm_limit(group.size if group is not None else 1, shm_free)
 
     @property
     def name(self) -> DataPath:
         return self.scheme
 
     def _shm_fits(self, nbytes: int) -> bool:
-        size = self.group.size if self.group is not None else 1
-        return SHM_HEADROOM * 2 * capacity_for(nbytes) * size <= self._shm_free
+        return nbytes <= self._shm_bytes
 
     def fits(self, nbytes: int) -> bool:
         """Whether an op of ``nbytes`` runs in shared memory (the same answer on every member)."""
@@ -137,7 +137,7 @@ class Route:
         set's comm; each of the tensors packed in ``buf``, ``counts`` elements each, with its
         own coefficients."""
         if op is not ReduceOp.Adasum and self.group is not None \
-                and self._shm_fits(buf.nbytes):  # one host: copy and scale within the passes
+                and buf.nbytes <= self._shm_bytes:  # one host: copy and scale within the passes
             self.group.allreduce(buf, op, src=src, postscale=postscale)
             return
         if src is not None:
@@ -206,6 +206,19 @@ class Route:
         for group in (self.group, self._local, self.lane_group):
             if isinstance(group, ShmGroup):
                 group.close()
+
+
+def _shm_limit(size: int, free: int) -> int:
+    """The largest op of a group of ``size`` that runs in shared memory: while
+    :data:`SHM_HEADROOM` times the two data segments of its capacity
+    (:func:`~hora.transports.shm.capacity_for`, a power of two) on every member fit ``free``
+    bytes; -1 if none does."""
+    capacity = capacity_for(0)
+    if SHM_HEADROOM * 2 * capacity * size > free:
+        return -1
+    while SHM_HEADROOM * 2 * (capacity * 2) * size <= free:
+        capacity *= 2
+    return capacity
 
 
 def build_route(comm: Comm, hostnames: Sequence[str], config: Config, job_id: str) -> Route:

@@ -29,6 +29,7 @@ import torch
 
 from hora.collectives.ops import ReduceOp
 from hora.core import api as _api
+from hora.core import device as _device
 from hora.core import gradients as _grads
 from hora.core import spellings as _sp
 from hora.core.process_set import ProcessSet, global_process_set
@@ -62,7 +63,23 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         ValueError: unsupported dtype, not a member of ``process_set``, duplicate name.
         HorovodInternalError: ranks disagree on shape/dtype/op/factors (at completion).
     """
-    resolved = _api.resolve_op(op, average)
+    if average is None and (op is None or type(op) is ReduceOp):
+        resolved = ReduceOp.Average if op is None else op
+    else:
+        resolved = _api.resolve_op(op, average)
+    if compression is Compression.none and type(tensor) is torch.Tensor \
+            and not tensor.requires_grad and tensor.device.type == "cpu" \
+            and tensor.layout is torch.strided and tensor.dtype in ops.REDUCE_DTYPES \
+            and tensor.dtype is not torch.bfloat16 and "torch" not in _device.native_frameworks:
+        # What a training loop does every step: a CPU tensor no gradient flows through, nothing
+        # to compress, hora's own data plane. The same result as the path below, without
+        # autograd's Function machinery (a dozen Python calls in torch per op) and the bridge:
+        # the core reduces the tensor's memory straight into a new tensor's.
+        out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        _api.allreduce_async(tensor.detach().numpy(), name=name, op=resolved,
+                             prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                             process_set=process_set, output=out.numpy(), sync=True).wait()
+        return out
     compressed, cctx = compression.compress(tensor)
     out = _Allreduce.apply(compressed, name, resolved, prescale_factor, postscale_factor,
                            process_set)

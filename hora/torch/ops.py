@@ -170,7 +170,6 @@ class _TorchBridge:
 TORCH = _TorchBridge()
 """The torch bridge: every collective of this adapter goes through it."""
 
-
 def _spell(family: _sp.Family, public: str, inplace: bool, wait: bool) -> Any:
     return _sp.spell(TORCH, family, public, inplace=inplace, wait=wait, module=__name__)
 

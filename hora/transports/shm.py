@@ -190,6 +190,7 @@ class Segment:
         self._map: mmap.mmap | None = None
         self.array: U8 = np.empty(0, np.uint8)
         self.address = 0
+        self.size = 0  # bytes mapped (an attribute: collectives read it on every op)
 
     @classmethod
     def create(cls, path: str, size: int) -> Segment:
@@ -224,10 +225,6 @@ class Segment:
             raise
         return seg
 
-    @property
-    def size(self) -> int:
-        return int(self.array.nbytes)
-
     def grow(self, size: int) -> None:
         """Owner: make the file at least ``size`` bytes (content kept) and remap it."""
         if size <= self.size:
@@ -247,11 +244,13 @@ class Segment:
         self._map = new
         self.array = np.frombuffer(new, dtype=np.uint8)
         self.address = int(self.array.ctypes.data)
+        self.size = size
 
     def _release(self) -> None:
         old, self._map = self._map, None
         self.array = np.empty(0, np.uint8)
         self.address = 0
+        self.size = 0
         if old is not None:
             try:
                 old.close()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from hora.transports.shm import MASK, futex_wake, reached, ring, wait_word
+from hora.transports.shm import HALF, MASK, futex_wake, reached, ring, wait_word
 from hora.transports.shm_fabric import BOARD_WORDS
 
 LOG_CAPACITY = 2048
@@ -56,8 +56,9 @@ GROUPED = 0x80000000
 SLOT_MASK = GROUPED - 1
 """A log entry's slot number (slots are numbered below this)."""
 
-UNWRITTEN, CLOSED, DIFFERENT = -2, -3, -4
-"""What :meth:`LaneBoards.look` finds at a position instead of one common slot."""
+UNWRITTEN, CLOSED, DIFFERENT, UNLOGGED = -2, -3, -4, -5
+"""What :meth:`LaneBoards.look` finds at a position instead of one common slot
+(:data:`UNLOGGED`: no member has logged it; :data:`UNWRITTEN`: some have, not all)."""
 
 FAST, DIVERGED, OFF = 0, 1, 2
 """Decision kinds (see :mod:`hora.core.fastlane`)."""
@@ -150,20 +151,31 @@ class LaneBoards:
         word = self._leader[DEC + index % DECISION_CAPACITY]
         return word >> _SHIFT, word & MAX_LENGTH
 
+    def decisions(self, read: int) -> list[tuple[int, int]]:
+        """Every decision the leader published past the ``read`` this member applied, in
+        order, as (kind, length)."""
+        leader = self._leader
+        out = []
+        while ((leader[DECISIONS] - read) & MASK) != 0:
+            word = leader[DEC + read % DECISION_CAPACITY]
+            out.append((word >> _SHIFT, word & MAX_LENGTH))
+            read += 1
+        return out
+
     # ---- leader -------------------------------------------------------------------------------
     def look(self, p: int, slots: int) -> int:
         """What every log says at position ``p``: the entry every member logged there (a slot
         below ``slots``, with its :data:`GROUPED` bit); :data:`UNWRITTEN` if some member has not
-        reached ``p``; :data:`CLOSED` if some member closed its log at or before ``p``;
-        :data:`DIFFERENT` if they disagree or logged a miss."""
+        reached ``p`` (:data:`UNLOGGED` if none has); :data:`CLOSED` if some member closed its
+        log at or before ``p``; :data:`DIFFERENT` if they disagree or logged a miss."""
         index = LOG + p % LOG_CAPACITY
         common = -1
         result = 0
-        for b in self._boards:
+        for b in self._boards:  # (reached() written out: the leader runs this every step)
             off = b[OFF_AT]
-            if off and reached(p, off - 1):
+            if off and ((p - (off - 1)) & MASK) < HALF:
                 return CLOSED
-            if not reached(b[COUNT], p + 1):
+            if ((b[COUNT] - (p + 1)) & MASK) >= HALF:
                 result = UNWRITTEN
                 continue
             value = b[index]
@@ -172,7 +184,7 @@ class LaneBoards:
             elif value != common:
                 result = result or DIFFERENT
         if result:
-            return result
+            return UNLOGGED if common == -1 else result
         return DIFFERENT if common == MISS or common & SLOT_MASK >= slots else common
 
     def ends(self, p: int) -> list[int]:
@@ -203,9 +215,12 @@ class LaneBoards:
         return [reached(b[COUNT], p + 1) for b in self._boards]
 
     def decision_room(self, published: int) -> int:
-        """Decisions the leader may publish before one overwrites an unread one."""
-        return DECISION_CAPACITY - max((published - b[DECISIONS_READ]) & MASK
-                                       for b in self._boards)
+        """Decisions the leader may publish before one overwrites an unread one (a lower bound
+        until ``published`` grows: members only read more)."""
+        behind = 0
+        for b in self._boards:
+            behind = max(behind, (published - b[DECISIONS_READ]) & MASK)
+        return DECISION_CAPACITY - behind
 
     def publish(self, index: int, kind: int, length: int) -> None:
         """Leader: publish decision ``index``."""
@@ -224,10 +239,29 @@ class LaneBoards:
         """Whether a caller drives this member's lane (rings wake it, not the lane thread)."""
         self._own[DRIVING] = 1 if driving else 0
 
-    def wait_doorbell(self, seen: int, spins: int, seconds: float) -> bool:
-        """Driver: wait for a ring after ``seen``; True if one came."""
-        return wait_word(self._own, DOORBELL, self._bells[self.rank], (seen + 1) & MASK,
-                         spins, seconds, ASLEEP)
+    def start_driving(self) -> int:
+        """A caller drives this member's lane from now (rings wake it, not the lane thread);
+        the doorbell's count now."""
+        own = self._own
+        own[DRIVING] = 1
+        return int(own[DOORBELL])
+
+    def stop_driving(self, seen: int) -> bool:
+        """The caller drives no more; True if the doorbell rang after ``seen``."""
+        own = self._own
+        own[DRIVING] = 0
+        return int(own[DOORBELL]) != seen
+
+    def wait_doorbell(self, seen: int, spins: int, seconds: float) -> int:
+        """Driver: wait (``spins`` checks, then a futex sleep of at most ``seconds``) for a ring
+        after ``seen``; the doorbell's count then (``seen`` if none came)."""
+        own = self._own
+        for _ in range(spins):  # (wait_word's spin, written out: no call while it spins)
+            value = own[DOORBELL]
+            if value != seen:
+                return int(value)
+        wait_word(own, DOORBELL, self._bells[self.rank], (seen + 1) & MASK, 0, seconds, ASLEEP)
+        return int(own[DOORBELL])
 
     def wait_lane_bell(self, seen: int, seconds: float) -> bool:
         """Lane thread: sleep until a ring after ``seen``; True if one came."""

@@ -70,7 +70,7 @@ def shm_world(n: int, job_id: str, fn: Callable[[ShmGroup], Any], *, timeout: fl
 def _force(monkeypatch: Any, algo: str) -> None:
     """``staged-big``: the staged algorithm for large buffers even for small ones."""
     if algo == "staged-big":
-        monkeypatch.setattr("hora.collectives.shm.select_shm_allreduce", lambda *_: "chunked")
+        monkeypatch.setattr("hora.collectives.shm.shm_replicated_bytes", lambda *_: -1)
 
 
 def _allreduce(group: ShmGroup, buf: np.ndarray, op: ReduceOp, algo: str) -> np.ndarray:

@@ -71,7 +71,8 @@ def device_mismatch(hvd: Any, f: Any) -> None:
         ops.device_kind = lambda t: "cuda"
     try:
         with _raises(hvd.HorovodInternalError, "CPU/GPU device selection"):
-            hvd.allreduce(torch.ones(2), name="bad.device")
+            # (a tensor that records gradients takes the bridge's path, where device_kind is)
+            hvd.allreduce(torch.ones(2, requires_grad=True), name="bad.device")
     finally:
         ops.device_kind = real
     meta = torch.empty(2, device="meta")
