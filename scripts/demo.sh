@@ -15,7 +15,9 @@ TORCH="torch==2.13.0"
 if [ ! -x "$ENV/bin/python" ]; then
   "${PYTHON:-python3}" -m venv "$ENV"
 fi
-PIP="$ENV/bin/pip --disable-pip-version-check -q"
+# --no-compile: Python compiles only the modules the demo imports, when it first imports them
+# (faster, and ~200 MB less than byte-compiling all of torch at install time)
+PIP="$ENV/bin/pip --disable-pip-version-check -q --no-compile"
 if ! "$ENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "[demo] installing $TORCH into $ENV${TORCH_INDEX_URL:+ from $TORCH_INDEX_URL}"
   $PIP install "$TORCH" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
