@@ -17,10 +17,10 @@ if [ ! -x "$ENV/bin/python" ]; then
 fi
 # --no-compile: Python compiles only the modules the demo imports, when it first imports them
 # (faster, and ~200 MB less than byte-compiling all of torch at install time)
-PIP="$ENV/bin/pip --disable-pip-version-check -q --no-compile"
+INSTALL="$ENV/bin/pip --disable-pip-version-check -q install --no-compile"
 if ! "$ENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "[demo] installing $TORCH into $ENV${TORCH_INDEX_URL:+ from $TORCH_INDEX_URL}"
-  $PIP install "$TORCH" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+  $INSTALL "$TORCH" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
 # hora from this tree (editable), with what the example imports; the pin again, so that resolving
 # hora's extra can never replace the torch installed above.
@@ -30,7 +30,7 @@ sys.exit(not hora.__file__.startswith(sys.argv[1] + "/"))
 EOF
 then
   echo "[demo] installing hora (editable), scikit-learn and tqdm into $ENV"
-  $PIP install "$TORCH" -e ".[torch]"
+  $INSTALL "$TORCH" -e ".[torch]"
 fi
 progress=()
 [ -t 1 ] || progress=(--no-progress)
