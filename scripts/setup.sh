@@ -42,6 +42,11 @@ if ! .venv/bin/python -c "import pyspark" 2>/dev/null; then
   echo "[setup] installing pyspark==4.3.0 (hora.spark)"
   $PIP install "pyspark==4.3.0"
 fi
+if ! .venv/bin/python -c "import pyarrow, fsspec" 2>/dev/null; then
+  # the Spark Estimators' store and Parquet reader (hora.spark.common); neither pulls torch
+  echo "[setup] installing pyarrow==26.0.1, fsspec (hora.spark Estimators)"
+  $PIP install "pyarrow==26.0.1" fsspec
+fi
 if ! .venv/bin/python -c "import mpi4py" 2>/dev/null; then
   # the mpi data plane (HORA_DATA_PLANE=mpi): mpi4py's binary wheel loads the system's MPI
   # (Open MPI's libmpi.so.40 from openmpi-bin) at run time, so it needs no compiler or MPI
