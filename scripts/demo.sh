@@ -4,7 +4,7 @@
 #
 # The demo has its own environment, .venv-demo/, with only what it runs: torch==2.13.0 (installed
 # first and pinned, so pip never picks a torch by itself), then hora with scikit-learn and tqdm
-# (about 1.2 GB). The test environment, .venv/ (scripts/setup.sh), keeps everything the suite
+# (about 1 GB). The test environment, .venv/ (scripts/setup.sh), keeps everything the suite
 # needs. On a public index the pinned Linux torch wheel is the CUDA build (GBs of CUDA packages):
 # TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu takes torch from PyTorch's CPU wheel index.
 # Extra args go to the example (e.g. --epochs 5); the progress bar is shown on a terminal only.
