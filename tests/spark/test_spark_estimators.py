@@ -87,5 +87,7 @@ def test_the_driver_finished_cleanly(run: Run) -> None:
     assert run.returncode == 0, run.stderr[-4000:]
 
 
-def test_this_process_never_imported_the_frameworks() -> None:
-    assert not {"torch", "tensorflow", "keras"} & set(sys.modules)
+def test_this_process_never_imported_tensorflow() -> None:
+    # The estimators run in their own driver process: TensorFlow and Keras stay out of pytest's
+    # (tests/tensorflow asserts it too). torch may be here: other test modules import it.
+    assert not {"tensorflow", "keras"} & set(sys.modules)
