@@ -76,7 +76,7 @@ def worker_vs_gloo(max_mib: int, rounds: int, sizes_kib: list[int] | None = None
 
     import hora
     from hora.collectives.select import select_allreduce
-    from hora.core import context
+    from hora.core.engine import context
 
     torch.set_num_threads(1)
     hora.init()
@@ -251,7 +251,7 @@ def _plane_table(planes: list[str], sizes: list[int], med: dict[tuple[str, int],
 def worker_algorithms(mib: list[int], reps: int) -> None:
     import hora
     from hora.collectives.allreduce import ring_allreduce, star_allreduce
-    from hora.core import context
+    from hora.core.engine import context
 
     hora.init()
     comm = context.get().engine.transport.comm()

@@ -56,8 +56,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     import hora.torch as hvd
-    from hora.core import context
-    from hora.core.autotune_search import Params
+    from hora.core.autotune.autotune_search import Params
+    from hora.core.engine import context
 
     torch.set_num_threads(1)
     hvd.init()

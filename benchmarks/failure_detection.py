@@ -81,7 +81,7 @@ def _kill_self_later(delay: float, sig: int) -> None:
 def worker(scenario: str, victim: int, mib: int, delay: float, idle: float,
            linger: float) -> None:
     import hora
-    from hora.core import context
+    from hora.core.engine import context
 
     signal.signal(signal.SIGTERM, lambda *_: _say(f"SIGTERM {time.monotonic():.6f}"))
     hora.init()

@@ -58,7 +58,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     import hora.torch as hvd
-    from hora.core import context
+    from hora.core.engine import context
 
     torch.set_num_threads(1)
     hvd.init()

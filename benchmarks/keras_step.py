@@ -78,7 +78,7 @@ def worker(args: argparse.Namespace) -> None:
     import numpy as np
 
     import hora.keras as hvd
-    from hora.core import context
+    from hora.core.engine import context
 
     rng = np.random.RandomState(rank)
     x = rng.randn(args.batch, 784).astype("float32")

@@ -93,7 +93,7 @@ def worker(sizes: list[int], rounds: int, libs: list[str], budget_s: float) -> N
     import hora
     from hora.collectives.select import select_shm_allreduce
     from hora.collectives.shm import ShmGroup
-    from hora.core import context
+    from hora.core.engine import context
     from hora.transports.shm import job_id_from_env
     from hora.transports.shm_fabric import ShmFabric
 

@@ -8,7 +8,7 @@ On the torch plane hora.torch hands the core its tensors themselves (device buff
 docs/data-planes.md#the-torch-plane); before, it handed host arrays (a view of a CPU tensor, a
 copy of a CUDA one), and a CUDA tensor is still staged that way on the builtin plane. Both forms
 run in one job, interleaved per round (the order alternates), switched on every rank at the same
-point with ``hora.core.device.configure``: only ratios from one job mean anything on a shared
+point with ``hora.core.op.device.configure``: only ratios from one job mean anything on a shared
 machine. Reported per case: median time per op (``hvd.allreduce`` through the whole engine), and
 device/host. On the CPU the two forms move the same bytes through gloo, so the ratio shows what
 the device path's bookkeeping costs or saves; on a GPU the host form adds the two copies.
@@ -35,7 +35,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import hora.torch as hvd
-    from hora.core import device
+    from hora.core.op import device
 
     torch.set_num_threads(1)
     hvd.init()

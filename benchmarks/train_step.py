@@ -73,7 +73,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import hora.torch as hvd
-    from hora.core import context
+    from hora.core.engine import context
 
     torch.set_num_threads(1)
     hvd.init()

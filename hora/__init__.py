@@ -8,7 +8,7 @@ This module is the framework-neutral process API and the collectives on numpy ar
 
 Framework adapters (``hora.torch``, ...) expose the same names on their tensor types. Every
 collective must be called by all ranks of its process set with the same name, dtype and shape
-rules; see :mod:`hora.core.api` for the shared contract.
+rules; see :mod:`hora.core.frontend.api` for the shared contract.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ only need the launcher start without the engine and numpy).
 
 Framework adapters (``hora.torch``, ...) expose the same names on their tensor types. Every
 collective must be called by all ranks of its process set with the same name, dtype and shape
-rules; see :mod:`hora.core.api` for the shared contract.
+rules; see :mod:`hora.core.frontend.api` for the shared contract.
 """
 
 from __future__ import annotations
@@ -25,21 +25,21 @@ from hora.collectives.ops import (
     ReduceOp,
     Sum,
 )
-from hora.core import api as _api
-from hora.core import context as _context
-from hora.core import objects as _objects
-from hora.core import spellings as _sp
-from hora.core.api import (
+from hora.core.engine import context as _context
+from hora.core.engine.context import init, is_initialized, shutdown
+from hora.core.frontend import api as _api
+from hora.core.frontend import objects as _objects
+from hora.core.frontend import spellings as _sp
+from hora.core.frontend.api import (
     add_process_set,
     poll,
     remove_process_set,
     synchronize,
 )
-from hora.core.context import init, is_initialized, shutdown
-from hora.core.handle import Handle
-from hora.core.host_bridge import HostBridge
-from hora.core.objects import allgather_object
-from hora.core.process_set import ProcessSet, global_process_set
+from hora.core.frontend.host_bridge import HostBridge
+from hora.core.frontend.objects import allgather_object
+from hora.core.op.handle import Handle
+from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.errors import (
     HoraError,
     HoraInternalError,
@@ -168,8 +168,8 @@ def stop_timeline() -> None:
 
 # ---- collectives on numpy arrays -------------------------------------------------------------
 class _NumpyBridge(HostBridge):
-    """The numpy side of :mod:`hora.core.spellings`: arrays are the core's own buffers (every
-    dtype the core supports; received alltoall splits as the core gives them)."""
+    """The numpy side of :mod:`hora.core.frontend.spellings`: arrays are the core's own buffers
+    (every dtype the core supports; received alltoall splits as the core gives them)."""
 
     def received_splits(self, splits: Any, received: np.ndarray) -> Any:
         return received

@@ -304,7 +304,7 @@ def test_thread_affinity_with_too_few_cores_fails_the_job_naming_the_knob() -> N
 
 
 def test_thread_affinity_values_are_checked() -> None:
-    from hora.core.affinity import core_for
+    from hora.core.engine.affinity import core_for
 
     knob = KNOBS_BY_NAME["thread_affinity"]
     assert parse_value(knob, "3, 1", "HOROVOD_THREAD_AFFINITY") == "3, 1"
@@ -323,7 +323,7 @@ def test_thread_affinity_values_are_checked() -> None:
 
 
 def _ranges(cores: set[int]) -> str:
-    from hora.core.affinity import _ranges as ranges
+    from hora.core.engine.affinity import _ranges as ranges
 
     return ranges(cores)
 
@@ -365,9 +365,9 @@ def test_disable_group_fusion_in_a_real_job(tmp_path: Path, disable: bool) -> No
 
 
 def test_disable_group_fusion_on_the_coordinator() -> None:
-    from hora.core.coordinator import Coordinator
-    from hora.core.messages import OpKind, Request
-    from hora.core.process_set import Registry
+    from hora.core.engine.coordinator import Coordinator
+    from hora.core.op.messages import OpKind, Request
+    from hora.core.op.process_set import Registry
 
     def fused(**cfg: Any) -> list[list[str]]:
         coord = Coordinator(Registry(2), Config().replace(cycle_time=0.0, **cfg))
@@ -386,11 +386,11 @@ def test_disable_group_fusion_in_the_fast_lane() -> None:
     """Cached allreduces take the fast lane (no coordinator); there too a plain allreduce is
     never fused with anything under the knob, while the group's members still may be."""
     from hora.collectives.ops import ReduceOp
-    from hora.core.engine import Engine
-    from hora.core.entry import Entry
-    from hora.core.handle import Handle
-    from hora.core.messages import OpKind, Request
-    from hora.core.process_set import Registry
+    from hora.core.engine.engine import Engine
+    from hora.core.op.entry import Entry
+    from hora.core.op.handle import Handle
+    from hora.core.op.messages import OpKind, Request
+    from hora.core.op.process_set import Registry
     from hora.transports.loopback import make_world
 
     members = [("g1", "G"), ("g2", "G"), ("g3", "G"), ("p1", ""), ("p2", ""), ("p3", "")]

@@ -2,7 +2,7 @@
 
 Every library module does ``log = get_logger(__name__)``. :func:`configure` (called by ``init``)
 installs one handler on the ``hora`` logger whose lines read
-``[2026-11-21 20:49:22.123456: WARNING rank 1/4 hora.core.engine] message``.
+``[2026-11-21 20:49:22.123456: WARNING rank 1/4 hora.core.engine.engine] message``.
 The library never prints.
 """
 

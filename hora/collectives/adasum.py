@@ -70,7 +70,7 @@ def hierarchical_hosts(hostnames: Sequence[str], hierarchical: bool | None) -> i
 
     Hierarchical when the set spans several hosts and ``hierarchical`` (the
     ``HOROVOD_HIERARCHICAL_ALLREDUCE`` setting) is True, or None (automatic) with some host
-    holding several of the set's ranks: the rule of :func:`hora.core.routing.build_route`.
+    holding several of the set's ranks: the rule of :func:`hora.core.data.routing.build_route`.
     """
     hosts = len(set(hostnames))
     if hosts <= 1:

@@ -111,7 +111,7 @@ def reduce_into(dst: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp) -> 
 def scale_mode(dtype: np.dtype[Any]) -> str:
     """How a buffer of ``dtype`` is multiplied by a scale factor, with Horovod's arithmetic (the
     one rule; :func:`scale_inplace` applies it to numpy buffers, an adapter's device buffers
-    apply it with the framework's kernels, :mod:`hora.core.device`):
+    apply it with the framework's kernels, :mod:`hora.core.op.device`):
 
     * ``"int"`` (integers): in float64, cast back (truncating toward zero): an integer Average
       is ``int(sum * (1/n))``;

@@ -111,35 +111,29 @@ SHM_SMALL_ALLREDUCE_BYTES = 256 * 1024
 """Largest buffer the shared-memory allreduce handles with the ``replicated`` algorithm (one
 signal round; every rank reduces every rank's copy) instead of ``chunked`` (two signals per
 chunk; each rank reduces only its slice). The redundant reductions are in-cache work (~20 GB/s)
-while every extra signal round risks waiting for a peer that is not running. Measured median
-float32 allreduce, replicated vs chunked, with other jobs on the 2 cores: 2 ranks 64 KiB 38 vs
-63 us, 256 KiB 64 vs 90 us, 1 MiB 220 vs 266 us; 4 ranks 256 KiB 340 vs 451 us, 1 MiB 1076 vs
-833 us. Above ~256 KiB on more ranks the chunked algorithm's smaller memory traffic wins."""
+while every extra signal round risks waiting for a peer that is not running; above this size on
+more than 2 ranks the chunked algorithm's smaller memory traffic wins (the measurements:
+docs/benchmarks.md, "Measurements behind the code's constants")."""
 
 SHM_CHUNK_BYTES = 512 * 1024
 """Chunk of the ``chunked`` shared-memory allreduce for buffers over
 :data:`SHM_ONE_CHUNK_BYTES` when every rank of the group can have a core. Each rank's working
 set (a few chunks of its buffer and five chunk slots of segments) stays in the 2 MiB per-core
 L2, so data crosses cores through the cache; each chunk's two signals (~2-5 us each when both
-ranks run) stay small next to its copy-and-reduce time. Measured 2026-11-25 on 2 ranks (0.125-1
-MiB chunks interleaved in one job, six runs, load 3.4-4.9): 8 MiB 1.1-1.3x and 16 MiB
-1.1-1.3x faster with 512 KiB than with 1 MiB chunks, 64 MiB 1.1-1.2x in five runs (0.8x in
-one); 256 KiB as good at 8 MiB and worse above, 128 KiB worse everywhere (the signals), and
-4 MiB chunks 1.3-1.6x slower at 16-64 MiB in a quiet moment."""
+ranks run) stay small next to its copy-and-reduce time. Smaller chunks pay more signals, larger
+ones fall out of L2 (measured against 128 KiB-4 MiB: docs/benchmarks.md, "Measurements behind
+the code's constants")."""
 
 SHM_CHUNK_BYTES_OVERSUBSCRIBED = 1024 * 1024
 """The chunk when the group has more ranks than this process may use cores: every signal round
-may then wait for a peer to be scheduled. Measured (as above, 2 runs each): 4 ranks on 2 cores
-64 MiB 1.3-1.4x slower with 512 KiB chunks than with 1 MiB, 3 ranks within 0.94-1.3x either
-way."""
+may then wait for a peer to be scheduled, so fewer, larger chunks (docs/benchmarks.md,
+"Measurements behind the code's constants")."""
 
 SHM_ONE_CHUNK_BYTES = 4 * 1024 * 1024
 """Buffers up to this size run the ``chunked`` algorithm as one chunk: two signal rounds in all
 instead of two per :data:`SHM_CHUNK_BYTES`. Every signal round in which the peer is a little
 behind costs a wait, and on 2 cores both ranks are busy anyway, so pipelining buys nothing at
-these sizes. Measured 2026-11-25 (interleaved in one job, load 1.5-2.8): 2 ranks, 2 MiB
-0.13 ms against 0.17-0.22 ms in 1 MiB chunks, 4 MiB 0.35-0.98 ms against 0.47-1.69 ms
-(1.3-1.7x); 3 and 4 ranks at 4 MiB 1.2-1.5x."""
+these sizes (docs/benchmarks.md, "Measurements behind the code's constants")."""
 
 
 def select_shm_allreduce(nbytes: int, size: int,

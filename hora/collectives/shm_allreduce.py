@@ -22,14 +22,10 @@ buffer is then only written), which saves copying it into the buffer first.
   caller. No copy in at all. Small staged buffers use :func:`staged_small` (two rounds instead
   of three).
 
-Measured on 2 ranks / 2 cores, float32, bus bandwidth (benchmarks/shm_allreduce.py and
-throwaway variants of it): when the machine is otherwise idle, chunked ~3.9-5.5 GB/s and staged
-~5-8 GB/s at 16-256 MiB; copy-in / owner-reduce-in-shm / copy-out (no chunks) was 25-60 %
-slower than chunked, and lockstep chunks (no lookahead) up to ~25 % slower when other jobs
-share the cores. Both are bound by memory
-bandwidth: chunked moves ~2.5x the buffer through DRAM per rank, staged ~1.5x. With other jobs
-on the cores, chunked drops to ~1-2 GB/s, half of it waiting for a descheduled peer (staged, with
-three signal rounds in all, holds ~2.5-4.5 GB/s).
+Both large-buffer algorithms are bound by memory bandwidth: chunked moves ~2.5x the buffer
+through DRAM per rank, staged ~1.5x, so staged is the faster where the buffer can live in the
+segment. Why chunks with a lookahead rather than one copy-in / reduce / copy-out, and the
+figures: docs/benchmarks.md, "Measurements behind the code's constants".
 """
 
 from __future__ import annotations

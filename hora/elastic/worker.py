@@ -90,7 +90,7 @@ def run_fn(func: F, reset: Callable[[], None]) -> F:
 
 def reset() -> None:
     """Leave the current world and join the next one (``shutdown()`` then ``init()``)."""
-    from hora.core import context
+    from hora.core.engine import context
 
     context.shutdown()
     context.init()
@@ -102,7 +102,7 @@ def report_lost(exc: BaseException) -> None:
     worker = session(connect=False)
     if worker is None:
         return
-    from hora.core import context
+    from hora.core.engine import context
 
     own = context.get().rank if context.is_initialized() else None
     ranks = named_ranks(str(exc), own)

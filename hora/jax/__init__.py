@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from hora import _basics
 from hora._basics import *  # noqa: F403 - Horovod's common names, one list for every adapter
-from hora.core.api import poll, synchronize
+from hora.core.frontend.api import poll, synchronize
 from hora.jax.async_ops import (
     allgather_async,
     allreduce_async,

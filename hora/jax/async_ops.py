@@ -2,7 +2,7 @@
 integer handle; ``hvd.synchronize(handle)`` waits and returns the result as ``jax.Array``\\ s in
 the input's structure, ``hvd.poll(handle)`` tells whether it finished.
 
-They submit the same core op as the synchronous forms (:mod:`hora.core.spellings` families
+They submit the same core op as the synchronous forms (:mod:`hora.core.frontend.spellings` families
 through :data:`hora.jax.bridge.HOST`); a pytree is one grouped op. Handles cannot leave a traced
 function, so these raise a clear error inside ``jax.jit`` / ``grad`` / ``vmap``.
 """
@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from hora.collectives.ops import ReduceOp
-from hora.core import api as _api
-from hora.core import spellings as _sp
-from hora.core.process_set import ProcessSet, global_process_set
+from hora.core.frontend import api as _api
+from hora.core.frontend import spellings as _sp
+from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.jax.bridge import HOST, eager_only, to_host, to_jax
 from hora.jax.ops import op_name
 from hora.jax.tree import Flat, flatten

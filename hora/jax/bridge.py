@@ -1,26 +1,26 @@
 """JAX arrays <-> the core's host buffers, eagerly and inside ``jax.jit`` / ``jax.grad``.
 
 Every collective of :mod:`hora.jax` is a function over numpy arrays (the core's one definition
-of the op, run through :data:`HOST`, a :class:`~hora.core.host_bridge.HostBridge` with JAX's
-dtype tables) handed to :func:`apply`:
+of the op, run through :data:`HOST`, a :class:`~hora.core.frontend.host_bridge.HostBridge` with
+JAX's dtype tables) handed to :func:`apply`:
 
 * **eagerly** (concrete arrays), the leaves' host values are handed over (``np.asarray``: no
   copy for CPU arrays) and the results come back as ``jax.Array``;
 * **traced** (``jit``, ``grad``, ``vmap``, ``scan``...), the call becomes one host call of the
   program whose output shapes are fixed at trace time (:mod:`hora.jax.host_call`, an XLA FFI
   custom call, on CPU; ``jax.pure_callback`` elsewhere), wrapped in a ``jax.custom_vjp`` whose
-  backward pass is another host call running the rule of :mod:`hora.core.gradients`. Op names
-  are chosen at trace time, so ranks pair the ops of a compiled step by name whatever order XLA
-  runs the calls in, and a step that repeats keeps its names (the fast lane's steady state).
-  Under ``vmap`` the call runs once per batch element (``vmap_method="sequential"``): the
-  collective of each element, in order.
+  backward pass is another host call running the rule of :mod:`hora.core.frontend.gradients`.
+  Op names are chosen at trace time, so ranks pair the ops of a compiled step by name whatever
+  order XLA runs the calls in, and a step that repeats keeps its names (the fast lane's steady
+  state). Under ``vmap`` the call runs once per batch element (``vmap_method="sequential"``):
+  the collective of each element, in order.
 
-Both host calls are pure (no effect token): ``pure_callback`` was measured against
-``io_callback(ordered=True)`` (docs/jax.md): about 3x less overhead per call for small arrays on
-this machine, and it composes with ``vmap``; ordering across ranks comes from the trace-time
-names instead of an effect token. A call whose result is unused is removed by XLA on every rank
-alike. The FFI host call costs less again (no operand copy, results copied straight into XLA's
-buffers; measured in :mod:`hora.jax.host_call`).
+Both host calls are pure (no effect token): ordering across ranks comes from the trace-time
+names, not from an effect token, so a call composes with ``vmap``, and a call whose result is
+unused is removed by XLA on every rank alike. ``pure_callback`` costs less per call than
+``io_callback(ordered=True)`` and the FFI host call less again (no operand copy, results copied
+straight into XLA's buffers); the figures are in docs/jax.md and docs/benchmarks.md
+("Measurements behind the code's constants").
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hora.core import spellings as _sp
-from hora.core.host_bridge import HostBridge
+from hora.core.frontend import spellings as _sp
+from hora.core.frontend.host_bridge import HostBridge
 from hora.jax import host_call
 
 # Horovod's tables for the torch binding (JAX has no Horovod binding); bfloat16 via ml_dtypes.
@@ -104,7 +104,8 @@ _adopt = _adopter()
 def to_jax(array: np.ndarray) -> jax.Array:
     """A core result as a ``jax.Array`` of JAX's dtype (as ``jnp.asarray``). On the CPU, XLA
     adopts the array's memory without a copy when it is 64-byte aligned, which the core's fresh
-    results are (:mod:`hora.core.aligned`); the caller must not write to ``array`` afterwards."""
+    results are (:mod:`hora.core.data.aligned`); the caller must not write to ``array``
+    afterwards."""
     return _adopt(array)
 
 

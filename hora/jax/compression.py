@@ -1,7 +1,7 @@
 """Gradient compression for JAX arrays: Horovod's ``Compression.none`` / ``Compression.fp16``.
 
-The policy is :mod:`hora.core.compression`; this module only supplies the JAX dtype hook (casts
-are ``astype``, so they work on tracers inside ``jit`` and are differentiable).
+The policy is :mod:`hora.core.frontend.compression`; this module only supplies the JAX dtype hook
+(casts are ``astype``, so they work on tracers inside ``jit`` and are differentiable).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from hora.core import compression as _core
+from hora.core.frontend import compression as _core
 
 
 class _JaxDtypes:
@@ -27,7 +27,7 @@ _HOOK = _JaxDtypes()
 
 class Compressor(_core.Compressor):
     """Interface for compressing and decompressing an array (Horovod's; see
-    :class:`hora.core.compression.Compressor`)."""
+    :class:`hora.core.frontend.compression.Compressor`)."""
 
     hook = _HOOK
 

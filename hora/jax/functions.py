@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from hora.core import api as _api
-from hora.core import objects as _objects
-from hora.core.process_set import ProcessSet, global_process_set
+from hora.core.frontend import api as _api
+from hora.core.frontend import objects as _objects
+from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.jax.bridge import eager_only
 from hora.jax.ops import broadcast
 from hora.jax.tree import flatten

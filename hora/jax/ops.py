@@ -1,11 +1,11 @@
 """Horovod's collectives on ``jax.Array``\\ s and pytrees, eager and inside ``jax.jit``, with
 their gradients.
 
-Each op runs the core's one definition of the collective (:mod:`hora.core.spellings`) on host
-arrays through :func:`hora.jax.bridge.apply` (a direct call eagerly, a ``pure_callback``
+Each op runs the core's one definition of the collective (:mod:`hora.core.frontend.spellings`) on
+host arrays through :func:`hora.jax.bridge.apply` (a direct call eagerly, a ``pure_callback``
 wrapped in ``custom_vjp`` when traced). A pytree is one grouped op (one fused collective); a
 bare array is Horovod's single-tensor op with Horovod's name. Gradients are Horovod's rules
-(:mod:`hora.core.gradients`):
+(:mod:`hora.core.frontend.gradients`):
 
 ========================  ===================================================================
 forward                   gradient of ``dy``
@@ -32,13 +32,13 @@ import jax
 import numpy as np
 
 from hora.collectives.ops import ReduceOp
-from hora.core import api as _api
-from hora.core import context as _context
-from hora.core import gradients as _grads
-from hora.core import packing as _packing
-from hora.core import spellings as _sp
-from hora.core.handle import Handle
-from hora.core.process_set import ProcessSet, global_process_set
+from hora.core.data import packing as _packing
+from hora.core.engine import context as _context
+from hora.core.frontend import api as _api
+from hora.core.frontend import gradients as _grads
+from hora.core.frontend import spellings as _sp
+from hora.core.op.handle import Handle
+from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.jax import host_call
 from hora.jax import packed as _packed
 from hora.jax.bridge import HOST, apply, check_leaf, is_traced

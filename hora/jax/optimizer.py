@@ -8,13 +8,13 @@ host callback named at trace time: the same names every step). With
 (``optax.MultiSteps``: their mean) and reduced and applied on every k-th call only.
 
 With ``op=Adasum`` (and more than one rank) it is Horovod's Adasum *delta* optimizer
-(:func:`hora.core.distopt.adasum_active`): the wrapped transformation runs first, on this
+(:func:`hora.core.frontend.distopt.adasum_active`): the wrapped transformation runs first, on this
 rank's own gradients, and its updates (the parameter deltas, since optax's updates are what is
 added to the parameters) are combined across ranks with Adasum, one leaf at a time; the
 combined updates are returned, so ``optax.apply_updates`` gives every rank
 ``params + adasum(delta)``.
 
-The option rules (checks, predivide factors, groups) are :mod:`hora.core.distopt`'s.
+The option rules (checks, predivide factors, groups) are :mod:`hora.core.frontend.distopt`'s.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import jax
 import optax
 
 from hora.collectives.ops import ReduceOp
-from hora.core import distopt
-from hora.core.process_set import ProcessSet, global_process_set
+from hora.core.frontend import distopt
+from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.jax.compression import Compression, Compressor
 from hora.jax.ops import grouped_allreduce
 

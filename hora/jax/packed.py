@@ -1,4 +1,4 @@
-"""A pytree's allreduce as one buffer per dtype (:mod:`hora.core.packing`): one core op for
+"""A pytree's allreduce as one buffer per dtype (:mod:`hora.core.data.packing`): one core op for
 the whole tree, and as little work per leaf as JAX allows.
 
 What a leaf costs is JAX's, not the collective's: making one ``jax.Array`` from host memory
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hora.core import packing as _packing
+from hora.core.data import packing as _packing
 from hora.jax import host_call
 from hora.jax.bridge import check_leaf, to_host, to_jax
 

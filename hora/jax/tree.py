@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from hora.core import context as _context
-from hora.core import objects as _objects
-from hora.core.process_set import ProcessSet
+from hora.core.engine import context as _context
+from hora.core.frontend import objects as _objects
+from hora.core.op.process_set import ProcessSet
 from hora.errors import HoraInternalError, MismatchError
 
 T = TypeVar("T")

@@ -1,7 +1,8 @@
 """The elastic membership protocol between ``hora run``'s elastic driver and its workers.
 
 Rendezvous layer: used by the driver (:mod:`hora.runner.elastic.driver`) and by ``init()`` in an
-elastic worker (:mod:`hora.core.context`); it knows keys and values, not processes or engines.
+elastic worker (:mod:`hora.core.engine.context`); it knows keys and values, not processes or
+engines.
 
 Everything goes through the job's rendezvous store, scope :data:`SCOPE`:
 

@@ -8,7 +8,7 @@ receive only ``PR_SET_PDEATHSIG``'s SIGTERM, which a training script may handle 
 checkpoint) and go on: an orphan that trains for nobody. The kernel closes the killed
 launcher's sockets, so the rank's idle store connection reads EOF: :func:`check` looks for that
 without blocking or sending anything (the engine calls it with its heartbeats,
-:mod:`hora.core.liveness`), and the engine then fails every op with :func:`check`'s message.
+:mod:`hora.core.engine.liveness`), and the engine then fails every op with :func:`check`'s message.
 
 Only a store served by a launcher is watched (:func:`owner`): under mpirun, srun or torchrun
 without ``hora run``, rank 0 serves the store, and its closing is rank 0 shutting down or

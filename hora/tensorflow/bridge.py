@@ -1,7 +1,7 @@
 """TensorFlow tensors <-> the core's host buffers, eagerly and inside ``tf.function``.
 
 Every collective of this adapter is a function over numpy arrays (the core's one definition of
-the op, run through :data:`HOST`, a :class:`~hora.core.spellings.Bridge` with TensorFlow's
+the op, run through :data:`HOST`, a :class:`~hora.core.frontend.spellings.Bridge` with TensorFlow's
 dtype tables) wrapped by :func:`host_call`:
 
 * eagerly, the tensors' host values are handed over (``EagerTensor.numpy()``) and the results
@@ -11,8 +11,9 @@ dtype tables) wrapped by :func:`host_call`:
   the same order of automatic names everywhere, and no two of them competing for TensorFlow's
   inter-op threads), and static shapes are set where Horovod's ops give them.
 
-The gradient rules (:mod:`hora.core.gradients`) run the same way, inside ``host_call``, over the
-core's numpy bridge (:class:`hora.core.host_bridge.HostBridge`, shared with ``hora.jax``).
+The gradient rules (:mod:`hora.core.frontend.gradients`) run the same way, inside ``host_call``,
+over the core's numpy bridge (:class:`hora.core.frontend.host_bridge.HostBridge`, shared with
+``hora.jax``).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ try:  # the dataset whose function runs inline, on the thread that reads it (TF 
 except ImportError:  # pragma: no cover - older or newer layouts: collectives block a thread
     _MapDataset = None
 
-from hora.core import spellings as _sp
-from hora.core.host_bridge import HostBridge
+from hora.core.frontend import spellings as _sp
+from hora.core.frontend.host_bridge import HostBridge
 from hora.tensorflow.op_errors import install_session_translation, translated
 
 # Horovod's TensorFlow kernels are registered for these dtypes; hora adds bfloat16.
@@ -130,7 +131,8 @@ def differentiable(what: str, xs: Sequence[tf.Tensor], forward: Callable[..., Se
     """One collective over ``xs``: host function ``forward`` in one :func:`host_call` (op
     ``Hora<what>``; outputs of the inputs' dtypes, shaped ``shapes``), differentiable when
     every input is floating point: ``backward(name, *cotangents, *extra(inputs))`` (op
-    ``Hora<what>Grad``) returns the inputs' cotangents (the rules of :mod:`hora.core.gradients`);
+    ``Hora<what>Grad``) returns the inputs' cotangents (the rules of
+    :mod:`hora.core.frontend.gradients`);
     ``name`` is the gradient op's name in the core, from :func:`op_name` (None outside a TF1
     graph).
     """

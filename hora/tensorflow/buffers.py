@@ -4,7 +4,7 @@ A ``tf.numpy_function`` hands its inputs to Python as arrays aliasing the tensor
 turns each returned array into a tensor **without a copy when the array's data is aligned to
 64 bytes** (TensorFlow's allocator alignment, ``EIGEN_MAX_ALIGN_BYTES`` of its CPU builds);
 otherwise it allocates a tensor and copies. numpy aligns its allocations to 16 bytes only;
-:mod:`hora.core.aligned` gives arrays TensorFlow can adopt (the core's own fresh results are
+:mod:`hora.core.data.aligned` gives arrays TensorFlow can adopt (the core's own fresh results are
 such arrays too), and the pool below also saves a fresh allocation of every gradient per step.
 
 A tensor that adopted an array keeps a reference to it until the tensor's memory is freed (the
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from hora.core import aligned
+from hora.core.data import aligned
 
 DEPTH = 2
 """Arrays kept per name. One is normally enough (Keras ``fit``: TensorFlow has let go of a
@@ -32,7 +32,7 @@ then (a bare ``tf.function``). Results held longer get new arrays, which are not
 
 
 def _allocate(shape: tuple[int, ...], dtype: Any) -> tuple[np.ndarray, np.ndarray]:
-    """An aligned array (:func:`hora.core.aligned.empty`) and the byte buffer it views."""
+    """An aligned array (:func:`hora.core.data.aligned.empty`) and the byte buffer it views."""
     out = aligned.empty(shape, dtype)
     base = out.base
     assert isinstance(base, np.ndarray)

@@ -1,8 +1,8 @@
 """Gradient compression for TensorFlow tensors: Horovod's ``Compression.none`` /
 ``Compression.fp16``.
 
-The policy is :mod:`hora.core.compression`; this module only supplies the TensorFlow dtype hook.
-A user-defined compressor is any class with static ``compress(tensor) -> (tensor, ctx)`` and
+The policy is :mod:`hora.core.frontend.compression`; this module only supplies the TensorFlow dtype
+hook. A user-defined compressor is any class with static ``compress(tensor) -> (tensor, ctx)`` and
 ``decompress(tensor, ctx) -> tensor``.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from hora.core import compression as _core
+from hora.core.frontend import compression as _core
 
 
 class _TensorFlowDtypes:
@@ -28,7 +28,7 @@ _HOOK = _TensorFlowDtypes()
 
 class Compressor(_core.Compressor):
     """Interface for compressing and decompressing a tensor (Horovod's; see
-    :class:`hora.core.compression.Compressor`)."""
+    :class:`hora.core.frontend.compression.Compressor`)."""
 
     hook = _HOOK
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from hora.core import objects as _objects
-from hora.core.process_set import ProcessSet, global_process_set
+from hora.core.frontend import objects as _objects
+from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.tensorflow.mpi_ops import broadcast_assign
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import tensorflow as tf
 
 from hora.collectives.ops import ReduceOp
-from hora.core import distopt
-from hora.core.process_set import ProcessSet, global_process_set
+from hora.core.frontend import distopt
+from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.tensorflow.compression import Compression, Compressor
 from hora.tensorflow.gradients import GradientReducer
 

@@ -4,7 +4,7 @@
 returns them reduced: dense gradients are compressed, then allreduced together in **one** host
 call (one ``tf.numpy_function`` op inside ``tf.function``: all submitted before any is waited
 for, so the engine fuses them), by groups when ``groups`` is set
-(:func:`hora.core.distopt.allreduce_groups`); ``tf.IndexedSlices`` are allgathered unless
+(:func:`hora.core.frontend.distopt.allreduce_groups`); ``tf.IndexedSlices`` are allgathered unless
 ``sparse_as_dense``; gradients of local variables are only scaled by ``1/size`` (when
 ``scale_local_gradients``). Names are ``<prefix>.<position>.<variable name>``, the same on every
 rank that builds the same model.
@@ -19,10 +19,10 @@ import numpy as np
 import tensorflow as tf
 
 from hora.collectives.ops import ReduceOp
-from hora.core import api as _api
-from hora.core import context as _context
-from hora.core import distopt
-from hora.core.process_set import ProcessSet
+from hora.core.engine import context as _context
+from hora.core.frontend import api as _api
+from hora.core.frontend import distopt
+from hora.core.op.process_set import ProcessSet
 from hora.tensorflow.bridge import check_dtype, host_call
 from hora.tensorflow.buffers import OutputPool
 from hora.tensorflow.compression import Compressor

@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from hora import _basics
-from hora.core import set_queries
+from hora.core.engine import set_queries
 from hora.tensorflow.bridge import host_call
 
 

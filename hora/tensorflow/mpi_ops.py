@@ -1,8 +1,8 @@
 """Horovod's TensorFlow collectives, eager and in ``tf.function``, with their gradients.
 
-Each op runs the core's one definition of the collective (:mod:`hora.core.spellings`) on host
-arrays through :func:`hora.tensorflow.bridge.host_call`, and registers Horovod's gradient
-(:mod:`hora.core.gradients`) with ``tf.custom_gradient``:
+Each op runs the core's one definition of the collective (:mod:`hora.core.frontend.spellings`) on
+host arrays through :func:`hora.tensorflow.bridge.host_call`, and registers Horovod's gradient
+(:mod:`hora.core.frontend.gradients`) with ``tf.custom_gradient``:
 
 ========================  ===================================================================
 forward                   gradient of ``dy``
@@ -30,12 +30,12 @@ import numpy as np
 import tensorflow as tf
 
 from hora.collectives.ops import ReduceOp
-from hora.core import api as _api
-from hora.core import context as _context
-from hora.core import gradients as _grads
-from hora.core import grouped as _grouped
-from hora.core import spellings as _sp
-from hora.core.process_set import ProcessSet, global_process_set
+from hora.core.engine import context as _context
+from hora.core.frontend import api as _api
+from hora.core.frontend import gradients as _grads
+from hora.core.frontend import grouped as _grouped
+from hora.core.frontend import spellings as _sp
+from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.tensorflow.bridge import (
     HOST,
     check_dtype,

@@ -22,7 +22,7 @@ import keras
 import tensorflow as tf
 
 from hora.collectives.ops import ReduceOp
-from hora.core import context as _context
+from hora.core.engine import context as _context
 from hora.tensorflow.keras_flavor import legacy_keras
 from hora.tensorflow.mpi_ops import allreduce
 

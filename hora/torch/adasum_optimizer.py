@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from hora.collectives.ops import ReduceOp
-from hora.core import distopt
+from hora.core.frontend import distopt
 from hora.torch import ops
 from hora.torch.compression import Compressor
 from hora.torch.wrapping import init_wrapped

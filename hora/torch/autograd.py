@@ -28,11 +28,11 @@ from typing import Any
 import torch
 
 from hora.collectives.ops import ReduceOp
-from hora.core import api as _api
-from hora.core import device as _device
-from hora.core import gradients as _grads
-from hora.core import spellings as _sp
-from hora.core.process_set import ProcessSet, global_process_set
+from hora.core.frontend import api as _api
+from hora.core.frontend import gradients as _grads
+from hora.core.frontend import spellings as _sp
+from hora.core.op import device as _device
+from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.torch import ops
 from hora.torch.compression import Compression, Compressor
 

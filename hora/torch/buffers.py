@@ -1,4 +1,4 @@
-"""Torch tensors as the core's device buffers (:class:`hora.core.device.DeviceBuffer`).
+"""Torch tensors as the core's device buffers (:class:`hora.core.op.device.DeviceBuffer`).
 
 On the torch data plane (``HORA_DATA_PLANE=torch``) hora.torch hands the core its tensors as
 they are, on their device: fused allreduces are packed, scaled and unpacked with torch's own
@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from hora.collectives.ops import BFLOAT16
-from hora.core import device as _device
-from hora.core.device import DeviceBuffer
+from hora.core.op import device as _device
+from hora.core.op.device import DeviceBuffer
 
 _NUMPY: dict[torch.dtype, np.dtype[Any]] = {
     t: np.dtype(n) for t, n in ((torch.float16, "float16"), (torch.float32, "float32"),

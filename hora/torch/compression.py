@@ -1,6 +1,6 @@
 """Gradient compression for torch tensors: Horovod's ``Compression.none`` / ``Compression.fp16``.
 
-The policy is :mod:`hora.core.compression`; this module only supplies the torch dtype hook.
+The policy is :mod:`hora.core.frontend.compression`; this module only supplies the torch dtype hook.
 A user-defined compressor is any class with static ``compress(tensor) -> (tensor, ctx)`` and
 ``decompress(tensor, ctx) -> tensor``.
 """
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from hora.core import compression as _core
+from hora.core.frontend import compression as _core
 
 
 class _TorchDtypes:
@@ -27,7 +27,7 @@ _HOOK = _TorchDtypes()
 
 class Compressor(_core.Compressor):
     """Interface for compressing and decompressing a tensor (Horovod's; see
-    :class:`hora.core.compression.Compressor`)."""
+    :class:`hora.core.frontend.compression.Compressor`)."""
 
     hook = _HOOK
 

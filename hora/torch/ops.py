@@ -1,6 +1,6 @@
 """Torch tensors <-> the core's numpy buffers (:data:`TORCH`, the adapter's bridge), and
 Horovod's non-differentiable forms of every collective, compiled by
-:func:`hora.core.spellings.spell` from the core's one definition of each op.
+:func:`hora.core.frontend.spellings.spell` from the core's one definition of each op.
 
 The bridge checks a tensor's dtype against Horovod's per-op tables, hands the core a numpy view
 of the tensor's memory (zero-copy on the CPU; bfloat16 is reinterpreted through int16; CUDA
@@ -30,13 +30,13 @@ import numpy as np
 import torch
 
 from hora.collectives.ops import BFLOAT16
-from hora.core import api as _api
-from hora.core import device as _device
-from hora.core import grouped as _grouped
-from hora.core import spellings as _sp
-from hora.core.api import synchronize as synchronize  # re-exported: ops.synchronize
-from hora.core.device import DeviceBuffer
-from hora.core.process_set import ProcessSet, global_process_set
+from hora.core.frontend import api as _api
+from hora.core.frontend import grouped as _grouped
+from hora.core.frontend import spellings as _sp
+from hora.core.frontend.api import synchronize as synchronize  # re-exported: ops.synchronize
+from hora.core.op import device as _device
+from hora.core.op.device import DeviceBuffer
+from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.torch import buffers as _buffers
 
 # Horovod's torch binding registers kernels for these dtypes (spec §2.1); hora adds bfloat16.
@@ -94,7 +94,7 @@ def to_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 class _TorchBridge:
-    """torch tensors <-> the core's host buffers, for :mod:`hora.core.spellings`."""
+    """torch tensors <-> the core's host buffers, for :mod:`hora.core.frontend.spellings`."""
 
     passthrough = False
 
@@ -150,7 +150,7 @@ class _TorchBridge:
         device = splits.device if isinstance(splits, torch.Tensor) else torch.device("cpu")
         return to_tensor(received, device)
 
-    # the tensor math of the gradient rules (hora.core.gradients)
+    # the tensor math of the gradient rules (hora.core.frontend.gradients)
     def rows(self, tensor: torch.Tensor, start: int, count: int) -> torch.Tensor:
         return tensor.narrow(0, start, count)
 

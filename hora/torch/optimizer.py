@@ -8,7 +8,7 @@ async allreduce of it starts, so communication overlaps the rest of backward. ``
 for them (``synchronize()``) and then runs the wrapped optimizer's step.
 
 The rules that are not torch-specific (argument checks, names, groups, predivide factors) are in
-:mod:`hora.core.distopt`; the collectives are :mod:`hora.torch.ops`.
+:mod:`hora.core.frontend.distopt`; the collectives are :mod:`hora.torch.ops`.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import torch
 import hora
 from hora._util.log import get_logger
 from hora.collectives.ops import ReduceOp
-from hora.core import context as _context
-from hora.core import distopt
-from hora.core import objects as _objects
-from hora.core.process_set import ProcessSet, global_process_set
+from hora.core.engine import context as _context
+from hora.core.frontend import distopt
+from hora.core.frontend import objects as _objects
+from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.torch import ops
 from hora.torch.compression import Compression, Compressor
 from hora.torch.wrapping import init_wrapped
@@ -314,7 +314,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
         process_set: the ranks that average together (others leave gradients untouched).
 
     Raises:
-        ValueError: invalid options or ``named_parameters`` (see :mod:`hora.core.distopt`).
+        ValueError: invalid options or ``named_parameters`` (see :mod:`hora.core.frontend.distopt`).
         NotImplementedError: ``op=Adasum`` with a process set other than the global one, or
             ranks (hosts, when hierarchical) that are not a power of two.
     """

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from hora.collectives.ops import ReduceOp
-from hora.core.process_set import ProcessSet, global_process_set
+from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.torch import ops
 
 

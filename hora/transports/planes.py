@@ -6,7 +6,7 @@ over its own TCP connections. With ``HORA_DATA_PLANE=torch`` or ``mpi`` only the
 data collective go through another engine: :mod:`hora.transports.torch_plane`
 (``torch.distributed``, gloo) or :mod:`hora.transports.mpi_plane` (mpi4py). Each is an
 :class:`ExternalPlane` over the members of one process set; the core's
-:mod:`hora.core.plane_route` calls it.
+:mod:`hora.core.data.plane_route` calls it.
 
 **Waiting.** An op is started on the external engine and returns a :class:`Ticket`; the engine
 completes it from its own thread and rings the plane's :class:`Doorbell` (a pipe). The caller
@@ -105,7 +105,7 @@ class ExternalPlane(Protocol):
     """An external engine's collectives over the members of one process set.
 
     Buffers are numpy arrays or, for a plane with ``native = True``, the framework's own tensors
-    on their device (the core's device buffers, ``hora.core.device``); ``op`` is ``"sum"``,
+    on their device (the core's device buffers, ``hora.core.op.device``); ``op`` is ``"sum"``,
     ``"min"``, ``"max"`` or ``"product"``; counts are elements of the buffer's dtype (host
     buffers of the moving ops come as bytes). Every method starts the op and returns at once;
     the op is complete when its ticket is done.

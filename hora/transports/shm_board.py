@@ -1,6 +1,6 @@
 """The fast lane's words on shared-memory boards: logs, decisions and doorbells.
 
-Transport layer: every raw board word the fast lane (:mod:`hora.core.fastlane`) reads or writes
+Transport layer: every raw board word the fast lane (:mod:`hora.core.lane.fastlane`) reads or writes
 is read or written here; the lane itself deals in positions, slot numbers and decisions. A
 board is the free part of a rank's fabric header (:meth:`~hora.transports.shm_fabric.ShmFabric.
 board`): uint32 words, zero when the group is created, readable and writable by every member.
@@ -61,7 +61,7 @@ UNWRITTEN, CLOSED, DIFFERENT, UNLOGGED = -2, -3, -4, -5
 (:data:`UNLOGGED`: no member has logged it; :data:`UNWRITTEN`: some have, not all)."""
 
 FAST, DIVERGED, OFF = 0, 1, 2
-"""Decision kinds (see :mod:`hora.core.fastlane`)."""
+"""Decision kinds (see :mod:`hora.core.lane.fastlane`)."""
 
 _SHIFT = 28
 MAX_LENGTH = (1 << _SHIFT) - 1

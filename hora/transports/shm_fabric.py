@@ -67,7 +67,7 @@ HEADER_BYTES = 16384
 
 BOARD_WORD = 64
 """First uint32 word of the header's *board*: words a layer above may use freely (the fast
-lane's logs, see :mod:`hora.core.fastlane`); zero when the group is created."""
+lane's logs, see :mod:`hora.core.lane.fastlane`); zero when the group is created."""
 
 BOARD_WORDS = HEADER_BYTES // 4 - BOARD_WORD
 

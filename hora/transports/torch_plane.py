@@ -12,7 +12,7 @@ the same as any ``torch.distributed`` job.)
 The backend follows the device of the buffers: **gloo** for host memory (numpy arrays, CPU
 tensors), **NCCL** for CUDA tensors (:func:`make_group` with ``"nccl"``: the same code, only the
 backend name differs). ``native = True``: the core hands this plane hora.torch's tensors as they
-are, on their device (:mod:`hora.core.device`), so CUDA tensors reach NCCL without a host copy.
+are, on their device (:mod:`hora.core.op.device`), so CUDA tensors reach NCCL without a host copy.
 The NCCL form has not run on a GPU here: this machine has none.
 
 Every op is started asynchronously (``work.get_future()``); its completion callback, on
@@ -138,7 +138,7 @@ class TorchPlane:
     docstring). Build with :meth:`create` on every member."""
 
     name = "torch"
-    native = True  # takes torch tensors as they are (hora.core.device)
+    native = True  # takes torch tensors as they are (hora.core.op.device)
 
     def __init__(self, client: KVStoreClient, scope: str, rank: int, size: int,
                  timeout: float, iface: str = "") -> None:

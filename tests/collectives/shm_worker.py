@@ -24,7 +24,7 @@ import hora  # noqa: E402
 import hora.collectives.shm as shm_collectives  # noqa: E402
 from hora.collectives.ops import ReduceOp  # noqa: E402
 from hora.collectives.shm import ShmGroup  # noqa: E402
-from hora.core import context  # noqa: E402
+from hora.core.engine import context  # noqa: E402
 from hora.errors import PeerLostError  # noqa: E402
 from hora.transports.shm import job_id_from_env
 from hora.transports.shm_fabric import ShmFabric  # noqa: E402

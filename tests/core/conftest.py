@@ -10,11 +10,11 @@ import pytest
 
 from hora.collectives.ops import ReduceOp, check_dtype
 from hora.config import Config
-from hora.core.engine import Engine
-from hora.core.executor import Entry
-from hora.core.handle import Handle
-from hora.core.messages import OpKind, Request
-from hora.core.process_set import Registry
+from hora.core.data.executor import Entry
+from hora.core.engine.engine import Engine
+from hora.core.op.handle import Handle
+from hora.core.op.messages import OpKind, Request
+from hora.core.op.process_set import Registry
 
 
 class World:

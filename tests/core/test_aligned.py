@@ -1,4 +1,4 @@
-"""hora.core.aligned: every fresh result array the core makes is 64-byte aligned."""
+"""hora.core.data.aligned: every fresh result array the core makes is 64-byte aligned."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from hora.core import aligned
+from hora.core.data import aligned
 
 
 @pytest.mark.parametrize("shape", [(), (0,), (1,), (3, 5), (1000, 7)])

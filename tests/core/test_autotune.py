@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hora.config import Config
-from hora.core.autotune_search import (
+from hora.core.autotune.autotune_search import (
     CYCLE_MS,
     FUSION_MB,
     HEADER,
@@ -25,7 +25,7 @@ from hora.core.autotune_search import (
     Search,
     fixed_by_user,
 )
-from hora.core.bayesopt import BayesianOptimizer
+from hora.core.autotune.bayesopt import BayesianOptimizer
 from hora.errors import ConfigError, ProtocolError
 from hora.knobs import MiB
 

@@ -7,9 +7,9 @@ import logging
 import pytest
 
 from hora.config import Config
-from hora.core.coordinator import Coordinator
-from hora.core.messages import OpKind, ProtocolError, Request, Response, decode, encode
-from hora.core.process_set import Registry
+from hora.core.engine.coordinator import Coordinator
+from hora.core.op.messages import OpKind, ProtocolError, Request, Response, decode, encode
+from hora.core.op.process_set import Registry
 
 
 def make(size: int = 3, **cfg: object) -> tuple[Coordinator, Registry]:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from hora.config import Config
-from hora.core.coordinator import Coordinator
-from hora.core.handle import BLOCKED_AFTER_S
-from hora.core.messages import (
+from hora.core.engine.coordinator import Coordinator
+from hora.core.op.handle import BLOCKED_AFTER_S
+from hora.core.op.messages import (
     ERROR_DEADLOCK,
     OpKind,
     ProtocolError,
@@ -20,8 +20,8 @@ from hora.core.messages import (
     encode,
     parse_waits,
 )
-from hora.core.naming import AutoNames
-from hora.core.process_set import Registry
+from hora.core.op.naming import AutoNames
+from hora.core.op.process_set import Registry
 
 LIMIT = 1.0
 SETTLE = LIMIT - BLOCKED_AFTER_S  # how long a stuck state must hold
@@ -180,7 +180,7 @@ def test_a_deadlocked_grouped_op_fails_as_a_whole() -> None:
     """The wait on a group reports its first pending member; every pending member fails, or
     the group would wait for the rest forever."""
     coord, _ = make(2)
-    group = "grouped_allreduce.noname.1"  # what hora.core.api puts on each member's request
+    group = "grouped_allreduce.noname.1"  # hora.core.frontend.api names each member so
     members = [req(0, f"{group}_{i}of3") for i in (1, 2, 3)]
     for member in members:
         member.group = group

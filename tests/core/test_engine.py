@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hora.core.messages import OpKind
+from hora.core.op.messages import OpKind
 from hora.errors import HoraInternalError, MismatchError, PeerLostError
 
 from .conftest import SUM

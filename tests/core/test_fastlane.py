@@ -1,4 +1,4 @@
-"""The fast lane (hora.core.fastlane) end to end, over an in-process loopback world.
+"""The fast lane (hora.core.lane.fastlane) end to end, over an in-process loopback world.
 
 Every world here has all its ranks on one host, so each process set gets a shared-memory route
 and a fast lane: after an allreduce name has been negotiated once, later allreduces of it with the
@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hora.core.messages import OpKind
+from hora.core.op.messages import OpKind
 from hora.errors import HoraInternalError, HoraTimeoutError, MismatchError
 
 from .conftest import SUM, World
@@ -272,7 +272,7 @@ def test_dtype_or_op_change_on_one_rank_is_a_mismatch(world: Any) -> None:
 ])
 def test_any_field_mismatch_on_a_cached_name_fails_as_on_the_negotiated_path(
         world: Any, field: str, value: Any, words: str) -> None:
-    """One rule decides agreement on both paths (hora.core.agreement): a cached name whose
+    """One rule decides agreement on both paths (hora.core.op.agreement): a cached name whose
     request differs on one rank in any field the coordinator checks (the device included) is
     negotiated and fails on every rank with the coordinator's text, the same text as for a
     name that was never cached."""
@@ -749,7 +749,7 @@ def test_rank_that_joined_before_the_lane_opened_is_not_waited_for(world: Any) -
 
 
 def test_full_log_turns_the_lane_off_and_every_op_still_completes(world: Any) -> None:
-    from hora.core.fastlane import LOG_CAPACITY
+    from hora.core.lane.fastlane import LOG_CAPACITY
 
     w = world(2)
     for _ in range(2):  # open the lanes

@@ -1,4 +1,4 @@
-"""Grouped calls and allgathers in the fast lane (hora.core.fastlane), over a loopback world.
+"""Grouped calls and allgathers in the fast lane (hora.core.lane.fastlane), over a loopback world.
 
 A grouped call's allreduces (or allgathers) are submitted together (``Engine.submit_group``) and
 logged as one *unit*: the leader decides it whole, so a cached group runs as one fused allreduce
@@ -18,13 +18,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-import hora.core.fastlane as fastlane
+import hora.core.lane.fastlane as fastlane
 from hora.collectives.ops import check_dtype
-from hora.core.entry import Entry
-from hora.core.handle import GroupHandle, Handle
-from hora.core.lane_cache import MAX_GATHER_BYTES
-from hora.core.lane_leader import SOLO_BYTES
-from hora.core.messages import OpKind, Request
+from hora.core.lane.lane_cache import MAX_GATHER_BYTES
+from hora.core.lane.lane_leader import SOLO_BYTES
+from hora.core.op.entry import Entry
+from hora.core.op.handle import GroupHandle, Handle
+from hora.core.op.messages import OpKind, Request
 from hora.errors import DeadlockError, HoraInternalError, HoraTimeoutError
 
 from .conftest import SUM

@@ -1,10 +1,10 @@
 """Fuzzing the control plane: the message decoder and the coordinator's negotiation.
 
-* :func:`hora.core.messages.decode` on arbitrary bytes, on mutated valid messages and on
+* :func:`hora.core.op.messages.decode` on arbitrary bytes, on mutated valid messages and on
   structurally valid JSON with wrong fields: it returns well-typed objects or raises
   :class:`ProtocolError`, nothing else, quickly, without allocating much more than its input.
-* :class:`hora.core.coordinator.Coordinator` fed random request sequences (random sizes, process
-  sets, op kinds, per-rank field mutations, missing ranks, arrival orders, interleaved
+* :class:`hora.core.engine.coordinator.Coordinator` fed random request sequences (random sizes,
+  process sets, op kinds, per-rank field mutations, missing ranks, arrival orders, interleaved
   ``ready()`` calls): it never raises; every name all members submitted gets exactly one
   response, others none; mismatches (and only mismatches) give an ERROR whose text does not
   depend on the arrival order; fusion respects its threshold and keys.
@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 
 from hora.collectives.ops import to_dtype
 from hora.config import Config
-from hora.core.coordinator import Coordinator
-from hora.core.messages import (
+from hora.core.engine.coordinator import Coordinator
+from hora.core.op.messages import (
     ERROR_SHUTDOWN,
     MSG_REQUESTS,
     MSG_RESPONSES,
@@ -39,7 +39,7 @@ from hora.core.messages import (
     decode,
     encode,
 )
-from hora.core.process_set import Registry
+from hora.core.op.process_set import Registry
 
 FUZZ = settings(max_examples=300, deadline=2000,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

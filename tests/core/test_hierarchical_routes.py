@@ -15,14 +15,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-import hora.core.routing as routing
+import hora.core.data.routing as routing
 from hora.collectives.ops import check_dtype
 from hora.config import Config
-from hora.core.engine import Engine
-from hora.core.executor import Entry
-from hora.core.handle import Handle
-from hora.core.messages import OpKind, Request
-from hora.core.process_set import Registry
+from hora.core.data.executor import Entry
+from hora.core.engine.engine import Engine
+from hora.core.op.handle import Handle
+from hora.core.op.messages import OpKind, Request
+from hora.core.op.process_set import Registry
 from hora.transports.loopback import make_world
 from hora.transports.shm import job_segments
 

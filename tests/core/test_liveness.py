@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hora.core.liveness import LAUNCHER_CHECK_S, Liveness
+from hora.core.engine.liveness import LAUNCHER_CHECK_S, Liveness
 from hora.errors import HoraInternalError, PeerLostError
 from hora.rendezvous import launcher_watch
 from hora.rendezvous.env import detect

@@ -1,10 +1,10 @@
-"""hora.core.packing: a list of arrays as one buffer per dtype, and back."""
+"""hora.core.data.packing: a list of arrays as one buffer per dtype, and back."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from hora.core.packing import layout_tag, pack, unpack
+from hora.core.data.packing import layout_tag, pack, unpack
 
 
 def test_pack_groups_by_dtype_in_order_and_unpack_restores_every_array() -> None:

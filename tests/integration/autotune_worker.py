@@ -20,7 +20,7 @@ import sys
 import numpy as np
 
 import hora as hvd
-from hora.core import context
+from hora.core.engine import context
 
 SHAPES = [(256, 256), (64,), (1024, 1100), (16, 16)]
 

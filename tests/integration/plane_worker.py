@@ -25,7 +25,7 @@ def train() -> None:
     from sklearn.datasets import load_digits
 
     import hora.torch as hvd
-    from hora.core import context
+    from hora.core.engine import context
 
     torch.set_num_threads(1)
     hvd.init()

@@ -22,7 +22,7 @@ from _case_jobs import spawn_ranks
 from runner.helpers import clean_env, run_hora
 
 from hora._util.net import free_port
-from hora.core.autotune_search import HEADER
+from hora.core.autotune.autotune_search import HEADER
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -94,7 +94,7 @@ def test_autotune_settles_on_the_best_scored_setting_alike_on_every_rank(tmp_pat
     assert any("autotune: the model's best of 6 settings:" in ln for ln in rank0)
     for rank in (0, 1):  # every rank logs the final setting
         lines = [ln for ln in done.err.splitlines() if ln.startswith(f"[{rank}]<stderr>")
-                 and "hora.core.autotune] autotune: fusion threshold" in ln]
+                 and "hora.core.autotune.autotune] autotune: fusion threshold" in ln]
         assert len(lines) == 1 and lines[0].endswith("(final)"), lines
 
 

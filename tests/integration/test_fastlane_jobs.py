@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 import hora
-from hora.core import context
+from hora.core.engine import context
 from hora.transports.shm import job_id_from_env, job_segments
 
 hora.init()
@@ -369,7 +369,7 @@ def test_rank_killed_mid_group_fails_the_survivor_fast(tmp_path: Path) -> None:
 def test_group_larger_than_the_log_keeps_the_lane(tmp_path: Path) -> None:
     """A grouped call of more members than a lane log holds is logged in several units (one
     unit of it would close the log, and the lane with it, for good)."""
-    from hora.core.fastlane import LOG_CAPACITY
+    from hora.core.lane.fastlane import LOG_CAPACITY
 
     job = _run_script(tmp_path, f"""
         xs = [np.full(1, float(k)) for k in range({LOG_CAPACITY + 200})]

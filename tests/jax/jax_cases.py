@@ -417,8 +417,8 @@ def traced_errors(hvd: Any) -> None:
 def results_adopted(hvd: Any) -> None:
     """Eager results are the core's 64-byte-aligned arrays, adopted by XLA without a copy, and
     each call's result stays its own (a later call does not write into an earlier result)."""
-    from hora.core import aligned
-    from hora.core.api import allreduce_async
+    from hora.core.data import aligned
+    from hora.core.frontend.api import allreduce_async
     from hora.jax.bridge import to_jax
 
     r, n = hvd.rank(), hvd.size()

@@ -5,7 +5,7 @@ what the launcher exports) are compared with what a rank computes at ``init`` wh
 Open MPI started it: :func:`hora.rendezvous.env.detect` on the environment that launcher gives
 each rank (simulated here, block distribution: ``srun --distribution=block``, Open MPI's
 ``--map-by slot``), topology fields the launcher does not state filled from
-:func:`compute_topology` over every rank's host name, as ``hora.core.context.init`` does.
+:func:`compute_topology` over every rank's host name, as ``hora.core.engine.context.init`` does.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from hora.core.device import DeviceBuffer
+from hora.core.op.device import DeviceBuffer
 from hora.torch.buffers import TorchBuffer
 from hora.transports.torch_plane import TorchPlane
 

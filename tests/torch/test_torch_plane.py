@@ -1,5 +1,5 @@
 """hora.torch on the torch data plane (``--data-plane torch``), where the core gets the tensors
-themselves on their device (:mod:`hora.core.device`): the framework-neutral collective suite
+themselves on their device (:mod:`hora.core.op.device`): the framework-neutral collective suite
 and the gradient rules, the training equivalences, and the device cases (what the plane is
 handed, what is staged through host memory), each in one real job. The same device cases run
 on CUDA tensors through NCCL where the machine has two GPUs (skipped here otherwise)."""

@@ -2,8 +2,8 @@
 
 With Adasum the ranks do not combine gradients: each rank applies the wrapped optimizer to its
 own gradients (so momentum and Adam's moments follow local gradients) and the ranks combine the
-resulting changes of the weights with Adasum (:func:`hora.core.distopt.adasum_active`). Horovod
-builds this optimizer for TensorFlow 1 optimizers (``tf.compat.v1.train``, its
+resulting changes of the weights with Adasum (:func:`hora.core.frontend.distopt.adasum_active`).
+Horovod builds this optimizer for TensorFlow 1 optimizers (``tf.compat.v1.train``, its
 ``_DistributedAdasumOptimizer``: a ``delta_start`` slot per variable, ``var - start``
 allreduced with Adasum, ``var = start + delta``) and refuses ``op=Adasum`` with Keras
 optimizers; hora gives Keras 3 optimizers the same model. In every update (Keras 3's

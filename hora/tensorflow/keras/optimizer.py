@@ -28,8 +28,8 @@ from typing import Any
 import keras
 
 from hora.collectives.ops import ReduceOp
-from hora.core import distopt
-from hora.core.process_set import ProcessSet, global_process_set
+from hora.core.frontend import distopt
+from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.tensorflow.compression import Compression, Compressor
 from hora.tensorflow.gradients import GradientReducer
 from hora.tensorflow.keras.wrapping import Options, runtime_class
@@ -115,7 +115,7 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802 
 
     Raises:
         ValueError: an op other than Average/Sum/Adasum (Average/Sum for tf-keras), or
-            invalid options (see :mod:`hora.core.distopt`).
+            invalid options (see :mod:`hora.core.frontend.distopt`).
         NotImplementedError: ``op=Adasum`` with a process set other than the global one, or
             ranks (hosts, when hierarchical) that are not a power of two.
     """

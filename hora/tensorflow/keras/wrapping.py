@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hora.core.process_set import ProcessSet
+from hora.core.op.process_set import ProcessSet
 from hora.tensorflow.compression import Compressor
 from hora.tensorflow.gradients import GradientReducer
 

@@ -1,0 +1,413 @@
+"""Execution of negotiated responses on this rank: fuse, run the collective, unpack, complete.
+
+Each executor is driven by one thread at a time: the engine's own executor by the engine thread;
+a fast lane's executor by whichever thread drives that lane (its lane thread or a waiting
+caller). Each :class:`~hora.core.op.messages.Response` is executed identically (same algorithm,
+same sizes) by every member of its process set.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from hora._util.log import get_logger
+from hora.collectives.comm import Comm, SubComm
+from hora.collectives.ops import SUPPORTED_DTYPES as DTYPES
+from hora.collectives.ops import ReduceOp, scale_inplace, to_dtype
+from hora.config import Config
+from hora.core.data import aligned, device_exec
+from hora.core.data.device_exec import holds_device, stage
+from hora.core.data.plane_route import PlaneRoute, build_plane_route
+from hora.core.data.routing import Route, build_route, close_quietly
+from hora.core.op.entry import Buffer, Entry
+from hora.core.op.messages import ERROR_DEADLOCK, ERROR_SHUTDOWN, ERROR_STALL, OpKind, Response
+from hora.core.op.process_set import Registry
+from hora.errors import (
+    DeadlockError,
+    HoraError,
+    HoraInternalError,
+    HoraTimeoutError,
+    MismatchError,
+    ShutdownError,
+)
+from hora.timeline.writer import (
+    MEMCPY_IN_FUSION_BUFFER,
+    MEMCPY_OUT_FUSION_BUFFER,
+    Timeline,
+    collective_activity,
+)
+
+log = get_logger(__name__)
+
+_OPS = {int(op): op for op in ReduceOp}
+
+_ERROR_TYPES: dict[int, type[HoraInternalError]] = {
+    ERROR_SHUTDOWN: ShutdownError, ERROR_STALL: HoraTimeoutError, ERROR_DEADLOCK: DeadlockError,
+}
+
+
+def reducescatter_rows(rows: int, size: int) -> list[int]:
+    """Horovod's split of ``rows`` among ``size`` ranks: the first ``rows % size`` get one more."""
+    base, extra = divmod(rows, size)
+    return [base + (1 if i < extra else 0) for i in range(size)]
+
+
+class Executor:
+    """Runs responses over the global data-plane comm."""
+
+    def __init__(self, comm: Comm, registry: Registry, config: Config,
+                 timeline: Timeline | None = None, hostnames: list[str] | None = None,
+                 job_id: str = "",
+                 on_negotiated: Callable[[Route, Response], None] | None = None) -> None:
+        self._tl = timeline if timeline is not None else Timeline()
+        # False for a fast lane's executor: its timeline never records (a lane exists only
+        # without a configured timeline), so its ops skip the timeline hooks without a call
+        self._recordable = timeline is not None
+        self._builtin = config.data_plane == "builtin"  # hora moves the bytes (no device forms)
+        self._comm = comm
+        self._registry = registry
+        self._config = config
+        self._hostnames = hostnames
+        self._job_id = job_id
+        self._subcomms: dict[int, Comm] = {}
+        self._routes: dict[int, Route] = {}
+        self._fusion = np.empty(0, dtype=np.uint8)
+        self._scratch = np.empty(0, dtype=np.uint8)
+        self.unfinished: list[Entry] = []
+        """Ops of a collective that failed: the engine fails them (:meth:`fail_unfinished`) with
+        the job's error once it has heard the other ranks' reasons, since a connection lost here
+        is often only the echo of another rank's failure (its waiters wait until then)."""
+        # rank 0 with autotune on: sees each allreduce and allgather it runs (the score)
+        self.observe: Callable[[Response], None] | None = None
+        # sees each allreduce and allgather response before it runs (the fast lane learns them)
+        self._on_negotiated = on_negotiated
+
+    def comm_for(self, set_id: int) -> Comm:
+        comm = self._subcomms.get(set_id)
+        if comm is None:
+            ranks = self._registry.ranks(set_id)
+            if ranks is None:
+                raise MismatchError(f"process set {set_id} is not registered on this rank")
+            comm = self._comm if set_id == 0 else SubComm(self._comm, ranks)
+            self._subcomms[set_id] = comm
+        return comm
+
+    def route_for(self, set_id: int) -> Route:
+        """The set's data path, built (collectively) at its first data collective."""
+        route = self._routes.get(set_id)
+        if route is None:
+            comm = self.comm_for(set_id)
+            ranks = self._registry.ranks(set_id) or []
+            hosts = self._hostnames or ["localhost"] * self._comm.size
+            if self._config.data_plane != "builtin":  # torch / mpi move the bytes
+                route = build_plane_route(self._comm, ranks, comm, [hosts[r] for r in ranks],
+                                          self._config, self._job_id, set_id)
+            else:
+                route = build_route(comm, [hosts[r] for r in ranks], self._config, self._job_id)
+            self._routes[set_id] = route
+            log.info("process set %d (%d ranks) data path: %s", set_id, comm.size, route.name)
+        return route
+
+    def existing_route(self, set_id: int) -> Route | None:
+        """The set's route if it was built already."""
+        return self._routes.get(set_id)
+
+    def adopt_route(self, set_id: int, route: Route) -> None:
+        """Use ``route`` for ``set_id`` (an executor of the fast lane, over its own group)."""
+        self._routes[set_id] = route
+
+    def retune(self, config: Config) -> None:
+        """Autotune: build routes by ``config`` from now on. When a hierarchical choice changed,
+        every route without shared memory over its whole set (a set across hosts) is dropped,
+        to be rebuilt at its next collective; every member retunes at the same point of the
+        response order (:mod:`hora.core.autotune.autotune`), so all of them rebuild it together."""
+        old, self._config = self._config, config
+        if (old.hierarchical_allreduce, old.hierarchical_allgather) == (
+                config.hierarchical_allreduce, config.hierarchical_allgather):
+            return
+        for set_id, route in list(self._routes.items()):
+            if route.group is None and route.lane_group is None:
+                self.forget_set(set_id)
+
+    def route_name(self, set_id: int) -> str | None:
+        """The data path a set uses ('shm', 'ring', 'shard', 'leader'), once it has one."""
+        route = self._routes.get(set_id)
+        return None if route is None else route.name
+
+    def forget_set(self, set_id: int) -> None:
+        self._subcomms.pop(set_id, None)
+        route = self._routes.pop(set_id, None)
+        if route is not None:
+            close_quietly(route)
+
+    def close(self) -> None:
+        """Release every route's shared memory (local; not collective)."""
+        for set_id in list(self._routes):
+            self.forget_set(set_id)
+
+    def fail_unfinished(self, error: BaseException) -> None:
+        """Fail every op in :attr:`unfinished` with ``error`` (a fresh copy each)."""
+        entries, self.unfinished = self.unfinished, []
+        for entry in entries:
+            entry.handle.set_error(type(error)(str(error)) if isinstance(error, HoraError)
+                                   else error)
+
+    def execute(self, resp: Response, entries: dict[str, Entry]) -> None:
+        """Run ``resp``; ``entries`` are this rank's local ops by name (popped when done)."""
+        kind = resp.kind
+        if kind is OpKind.ERROR:
+            for name in resp.names:
+                entry = entries.pop(name, None)
+                if entry is not None:
+                    error_type = _ERROR_TYPES.get(resp.value, MismatchError)
+                    entry.handle.set_error(error_type(resp.error))
+            return
+        tl = self._tl
+        if kind in (OpKind.BARRIER, OpKind.JOIN, OpKind.REMOVE_PROCESS_SET,
+                    OpKind.ADD_PROCESS_SET):
+            self._control_op(resp, entries)
+            tl.op_end(resp.names[0])
+            return
+        route = self._routes.get(resp.set_id)
+        if route is None:
+            route = self.route_for(resp.set_id)
+        if self.observe is not None:
+            self.observe(resp)
+        if self._on_negotiated is not None and (kind is OpKind.ALLREDUCE
+                                                or kind is OpKind.ALLGATHER):
+            self._on_negotiated(route, resp)
+        if kind is OpKind.ALLREDUCE:
+            try:
+                self._allreduce(route, resp, entries)
+            except BaseException as exc:
+                for name in resp.names:
+                    tl.error(name, str(exc))
+                raise
+            return
+        entry = entries.pop(resp.names[0])
+        try:
+            tl.activity_start(resp.names[0], collective_activity("hora", kind))
+            result = {OpKind.ALLGATHER: self._allgather, OpKind.BROADCAST: self._broadcast,
+                      OpKind.ALLTOALL: self._alltoall,
+                      OpKind.REDUCESCATTER: self._reducescatter}[kind](route, resp, entry)
+        except BaseException as exc:
+            tl.error(resp.names[0], str(exc))
+            self.unfinished.append(entry)  # the caller aborts the job, then fails it
+            raise
+        tl.op_end(resp.names[0], resp.dtype, resp.shapes[0] if resp.shapes else ())
+        _complete(entry, result)
+
+    # ---- ops --------------------------------------------------------------------------------
+    def _control_op(self, resp: Response, entries: dict[str, Entry]) -> None:
+        if resp.kind is OpKind.ADD_PROCESS_SET and resp.ranks is not None:
+            self._registry.register(resp.ranks, resp.value)
+        elif resp.kind is OpKind.REMOVE_PROCESS_SET:
+            self._registry.remove(resp.value)
+            self.forget_set(resp.value)
+        entry = entries.pop(resp.names[0], None)
+        if entry is not None:
+            value: Any = resp.value if resp.kind is not OpKind.BARRIER else None
+            _complete(entry, value)
+
+    def _allreduce(self, route: Route, resp: Response, entries: dict[str, Entry]) -> None:
+        dtype = DTYPES.get(resp.dtype) or to_dtype(resp.dtype)
+        names = resp.names
+        # Decided from the response alone, so every rank takes the same path (a shared-memory
+        # allreduce must be staged on all ranks or on none).
+        single = len(names) == 1 and not resp.joined
+        if single:  # (one op: no comprehension, every step of the fast lane runs this)
+            local = [entries.pop(names[0], None)]
+            sizes = [math.prod(resp.shapes[0])]
+        else:
+            local = [entries.pop(n, None) for n in names]
+            sizes = [math.prod(s) for s in resp.shapes]
+        try:
+            total = sum(sizes)
+            if single and (local[0] is None or local[0].output is None):
+                raise MismatchError(f"allreduce '{names[0]}' has no output on this rank")
+            plane = None if self._builtin else self._on_device(route, local)
+            like = device_exec.template(resp, local) if plane is not None else None
+            if plane is not None and like is not None:  # on the device (the torch plane)
+                if self._tl.recording:
+                    self._tl.activity_start_all(names, collective_activity(route.name, resp.kind))
+                device_exec.allreduce(plane, resp, local, like,
+                                      self._scratch_for(total * dtype.itemsize), self._done)
+                return
+            src = None  # the input, when the collective reads it from there (no copy in)
+            if single:
+                entry = local[0]
+                assert entry is not None
+                out, x = entry.output, entry.tensor
+                assert isinstance(out, np.ndarray) and isinstance(x, np.ndarray), \
+                    "a host form got a device buffer"
+                if out is not x:
+                    # (np.may_share_memory's bounds test on two C-contiguous arrays, inline)
+                    start, x_start = (out.__array_interface__["data"][0],
+                                      x.__array_interface__["data"][0])
+                    if resp.prescale == 1.0 and (start + out.nbytes <= x_start
+                                                 or x_start + x.nbytes <= start):
+                        src = x.reshape(-1)
+                    else:
+                        np.copyto(out, x)
+                buf = out.reshape(-1)
+            else:
+                self._tl.activity_start_all(names, MEMCPY_IN_FUSION_BUFFER)
+                staged = (route.staging(total * dtype.itemsize)  # shared memory: packing is
+                          if resp.op != ReduceOp.Adasum else None)  # the only copy (not Adasum's)
+                buf = (staged.view(dtype) if staged is not None
+                       else self._fusion_view(dtype, total))
+                offset = 0
+                for entry, n in zip(local, sizes):
+                    if entry is None:  # this rank joined: contribute zeros
+                        buf[offset:offset + n] = 0
+                    else:
+                        buf[offset:offset + n] = _host(entry.tensor).reshape(-1)
+                    offset += n
+            postscale = resp.postscale
+            if resp.op == ReduceOp.Average:
+                postscale = postscale / route.comm.size
+            if resp.prescale != 1.0:
+                scale_inplace(buf, resp.prescale)
+            recording = self._recordable and self._tl.recording
+            if recording:
+                self._tl.activity_start_all(names, collective_activity(route.name, resp.kind))
+            scratch = self._scratch  # (enough for one ring chunk, or for a whole small buffer)
+            if scratch.nbytes < buf.nbytes:
+                scratch = self._scratch_for(buf.nbytes)
+            route.allreduce(buf, _OPS[resp.op], scratch,  # Adasum: each tensor's size
+                            counts=sizes if resp.op == ReduceOp.Adasum and not single else None,
+                            src=src, postscale=postscale)
+            if single and not recording:
+                entry = local[0]
+                assert entry is not None
+                if entry.finish is None:
+                    entry.handle.set_result(entry.output)
+                else:
+                    _complete(entry, entry.output)
+                return
+            if not single and recording:
+                self._tl.activity_start_all(names, MEMCPY_OUT_FUSION_BUFFER)
+            offset = 0
+            for name, entry, n, shape in zip(names, local, sizes, resp.shapes):
+                if recording:
+                    self._tl.op_end(name, resp.dtype, shape)
+                if entry is not None:
+                    if not single:
+                        result = (_host(entry.output) if entry.output is not None
+                                  else aligned.empty(shape, dtype))
+                        result.reshape(-1)[...] = buf[offset:offset + n]
+                        entry.output = result
+                    _complete(entry, entry.output)
+                offset += n
+        except BaseException:
+            self.unfinished.extend(e for e in local if e is not None)  # see execute()
+            raise
+
+    def _allgather(self, route: Route, resp: Response, entry: Entry) -> Buffer:
+        plane = self._on_device(route, [entry])
+        if plane is not None:
+            return device_exec.allgather(plane, resp, entry)
+        x = _host(entry.tensor)
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        dims = resp.first_dims[0]
+        out = aligned.empty((sum(dims),) + tuple(x.shape[1:]), x.dtype)
+        route.allgather(x.reshape(-1), [d * row for d in dims], out.reshape(-1))
+        return out
+
+    def _broadcast(self, route: Route, resp: Response, entry: Entry) -> Buffer:
+        root = (self._registry.ranks(resp.set_id) or []).index(resp.root)
+        plane = self._on_device(route, [entry])
+        if plane is not None:
+            return device_exec.broadcast(plane, root, entry)
+        x = _host(entry.tensor)
+        out = _host(entry.output) if entry.output is not None else aligned.empty_like(x)
+        if out is not x:
+            np.copyto(out, x)
+        route.broadcast(out.reshape(-1), root)
+        return out
+
+    def _alltoall(self, route: Route, resp: Response,
+                  entry: Entry) -> tuple[Buffer, np.ndarray]:
+        plane = self._on_device(route, [entry])
+        if plane is not None:
+            return device_exec.alltoall(plane, resp, entry)
+        comm = route.comm
+        x = _host(entry.tensor)
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        matrix = resp.splits[0]
+        me = comm.rank
+        send = [s * row for s in matrix[me]]
+        recv_rows = [matrix[j][me] for j in range(comm.size)]
+        out = aligned.empty((sum(recv_rows),) + tuple(x.shape[1:]), x.dtype)
+        route.alltoall(x.reshape(-1), send, out.reshape(-1), [r * row for r in recv_rows])
+        return out, np.asarray(recv_rows, dtype=np.int32)
+
+    def _reducescatter(self, route: Route, resp: Response, entry: Entry) -> Buffer:
+        comm = route.comm
+        rows = reducescatter_rows(entry.tensor.shape[0], comm.size)
+        plane = self._on_device(route, [entry])
+        if plane is not None:
+            return device_exec.reducescatter(plane, resp, entry, rows,
+                                             self._scratch_for(entry.tensor.nbytes))
+        x = _host(entry.tensor)
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        buf = x.reshape(-1).copy()
+        scale_inplace(buf, resp.prescale)
+        out = aligned.empty((rows[comm.rank],) + tuple(x.shape[1:]), x.dtype)
+        route.reducescatter(buf, [r * row for r in rows], _OPS[resp.op], out.reshape(-1),
+                            self._scratch_for(buf.nbytes))
+        postscale = resp.postscale / (comm.size if resp.op == ReduceOp.Average else 1)
+        scale_inplace(out, postscale)
+        return out
+
+    # ---- buffers ----------------------------------------------------------------------------
+    def _fusion_view(self, dtype: np.dtype[Any], count: int) -> np.ndarray:
+        nbytes = count * dtype.itemsize
+        if self._fusion.nbytes < nbytes:
+            self._fusion = np.empty(max(nbytes, 2 * self._fusion.nbytes), dtype=np.uint8)
+        return self._fusion[:nbytes].view(dtype)
+
+    def _scratch_for(self, nbytes: int) -> np.ndarray:
+        # Enough for one ring chunk (or the whole buffer for star/small algorithms).
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(max(nbytes, 4096), dtype=np.uint8)
+        return self._scratch
+
+    # ---- device buffers (hora.core.op.device) -------------------------------------------------
+    def _on_device(self, route: Route, local: list[Entry | None]) -> PlaneRoute | None:
+        """The plane route when this rank's ops of a response all hold device buffers and the
+        route takes them as they are (the device forms, :mod:`hora.core.data.device_exec`, run);
+        otherwise None, after staging any device buffer through host memory (the host forms
+        run). Host arrays alone: None at once (no job on the builtin plane has device
+        buffers: adapters make them only for a plane that takes them)."""
+        if self._config.data_plane == "builtin":
+            return None
+        if isinstance(route, PlaneRoute) and route.native and all(
+                e is None or holds_device(e) for e in local):
+            return route
+        for e in local:
+            if e is not None and holds_device(e):
+                stage(e)
+        return None
+
+    def _done(self, entry: Entry, result: Any) -> None:
+        """A device form's op completed (its timeline mark, then its handle)."""
+        if self._tl.recording:
+            self._tl.op_end(entry.request.name, entry.request.dtype, entry.request.shape)
+        _complete(entry, result)
+
+
+def _complete(entry: Entry, result: Any) -> None:
+    if entry.finish is not None:
+        result = entry.finish(result)
+    entry.handle.set_result(result)
+
+
+def _host(x: Buffer | None) -> np.ndarray:
+    """``x`` as the host array the host forms work on (device buffers were staged before)."""
+    assert isinstance(x, np.ndarray), "a host form got a device buffer"
+    return x

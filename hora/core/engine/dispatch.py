@@ -1,0 +1,104 @@
+"""Running agreed responses: rank 0 fans each out to the members that must run it, then every
+rank runs the batch in order (the engine thread only).
+
+A response list is the coordinator's decision for one batch: collectives (possibly fused),
+process-set changes, joins and errors. Every rank runs the same list in the same order, which is
+what keeps the ranks' transports in step. :class:`Responses` also keeps the one flag the
+engine's failure path needs: whether a collective was running when something failed (then the
+error may be an echo of another rank's failure, and the engine listens for the root cause).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set
+
+from hora.core.data.executor import Executor
+from hora.core.engine import trace
+from hora.core.engine.liveness import Liveness
+from hora.core.lane.lanes import Lanes
+from hora.core.op.entry import Entry
+from hora.core.op.messages import (
+    ERROR_SHUTDOWN,
+    ERROR_STALL,
+    MSG_RESPONSES,
+    OpKind,
+    Response,
+    encode,
+)
+from hora.core.op.naming import AutoNames
+from hora.core.op.process_set import Registry
+from hora.timeline.writer import Timeline
+from hora.transports.base import Transport
+
+
+class Responses:
+    """Sends and runs response batches for one engine.
+
+    ``pending`` is the engine's table of submitted ops (set id -> name -> entry), shared: the
+    executor completes and removes entries from it. ``departed`` is the live set of ranks that
+    said goodbye (they are sent nothing).
+    """
+
+    def __init__(self, transport: Transport, registry: Registry, executor: Executor,
+                 lanes: Lanes, names: AutoNames, liveness: Liveness, timeline: Timeline,
+                 pending: dict[int, dict[str, Entry]], departed: Set[int]) -> None:
+        self._transport = transport
+        self._registry = registry
+        self._executor = executor
+        self._lanes = lanes
+        self._names = names
+        self._liveness = liveness
+        self._timeline = timeline
+        self._pending = pending
+        self._departed = departed
+        self._rank, self._size = transport.rank, transport.size
+        self.executing = False
+        """True while a batch runs; left True if it raised (the engine's abort reads it)."""
+
+    def dispatch(self, responses: list[Response]) -> bool:
+        """Rank 0: send ``responses`` to the members that must run them, then run them here.
+        Returns False (nothing done) for an empty list."""
+        if not responses:
+            return False
+        trace.negotiation_done(self._timeline, responses)
+        by_peer: dict[int, list[Response]] = {}
+        for resp in responses:
+            members = self._registry.ranks(resp.set_id) or []
+            if resp.kind is OpKind.ADD_PROCESS_SET or resp.kind is OpKind.REMOVE_PROCESS_SET:
+                members = list(range(self._size))  # every rank keeps the same registry
+            for peer in members:
+                if peer != 0 and peer not in self._departed:
+                    by_peer.setdefault(peer, []).append(resp)
+        for peer, resps in by_peer.items():
+            self._transport.send_control(peer, encode(MSG_RESPONSES, resps=resps))
+        self.execute(responses)
+        return True
+
+    def execute(self, responses: list[Response]) -> None:
+        """Run one batch in order on this rank. Raises what a collective raised (the engine
+        aborts the job)."""
+        self.executing = True
+        try:
+            self._execute_all(responses)
+            self.executing = False
+        finally:
+            # While a collective ran nobody's messages were read: don't count that as silence.
+            self._liveness.heard_all()
+
+    def _execute_all(self, responses: list[Response]) -> None:
+        for resp in responses:
+            members = self._registry.ranks(resp.set_id)
+            in_set = members is not None and self._rank in members
+            if resp.kind is OpKind.REMOVE_PROCESS_SET:
+                self._lanes.remove(resp.value)
+            elif resp.kind is OpKind.JOIN and in_set:
+                self._lanes.joined(resp.set_id, self._executor.existing_route(resp.set_id))
+            elif resp.kind is OpKind.ERROR and in_set and resp.value not in (ERROR_STALL,
+                                                                             ERROR_SHUTDOWN):
+                for name in resp.names:  # a failed op some members never issued: number
+                    self._names.observe(resp.set_id, name)  # the next one alike everywhere
+                if "join" in resp.names:  # a failed join (deadlock): this rank is back in
+                    self._lanes.join_failed(resp.set_id)
+            if in_set or resp.kind in (OpKind.ADD_PROCESS_SET, OpKind.REMOVE_PROCESS_SET,
+                                       OpKind.ERROR):
+                self._executor.execute(resp, self._pending.setdefault(resp.set_id, {}))

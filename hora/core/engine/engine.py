@@ -1,0 +1,413 @@
+"""The background engine: one thread per process that negotiates and runs every collective.
+
+User threads call :meth:`Engine.submit`, which queues an :class:`~hora.core.data.executor.Entry` and
+wakes the thread. The thread's loop (event-driven; it sleeps in the transport's control wait, so
+an idle job burns no CPU):
+
+1. move newly submitted entries into the pending table and send their requests to rank 0
+   (rank 0 feeds its own requests straight to its
+   :class:`~hora.core.engine.coordinator.Coordinator`);
+2. receive control messages: on rank 0, requests from workers; on workers, ordered response
+   lists from rank 0;
+3. rank 0: collect ready (validated, fused) responses, send them to the workers, then execute;
+   workers: execute responses in the order received;
+4. periodically (rank 0) run the stall inspector.
+
+Failure is loud: if a peer is lost or a collective fails, every pending and future op on this
+rank fails with the cause, and rank 0 tells every other rank to do the same.
+
+Beside it: :mod:`hora.core.engine.liveness` (heartbeats, goodbyes, abort reasons),
+:mod:`hora.core.lane.lanes` (the fast lanes' lifecycle), :mod:`hora.core.engine.deadlock` (wait
+reports and the detector), :mod:`hora.core.engine.dispatch` (sending and running response batches),
+:mod:`hora.core.data.executor` (running an agreed response).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from hora._util.log import get_logger
+from hora.config import Config
+from hora.core.autotune.autotune import Tuning
+from hora.core.data.executor import Executor
+from hora.core.data.routing import Route
+from hora.core.engine import affinity, trace
+from hora.core.engine.coordinator import Coordinator
+from hora.core.engine.deadlock import WaitReports
+from hora.core.engine.dispatch import Responses
+from hora.core.engine.liveness import Liveness, RemoteAbort
+from hora.core.lane.fastlane import FastLane
+from hora.core.lane.lanes import Lanes
+from hora.core.op.entry import Entry, InFlight
+from hora.core.op.messages import (
+    MSG_ABORT,
+    MSG_BYE,
+    MSG_HEARTBEAT,
+    MSG_LANE_OFF,
+    MSG_PARAMS,
+    MSG_REQUESTS,
+    MSG_RESPONSES,
+    MSG_SHUTDOWN,
+    MSG_WAITS,
+    OpKind,
+    Request,
+    Response,
+    decode,
+    encode,
+    parse_waits,
+)
+from hora.core.op.naming import AutoNames
+from hora.core.op.process_set import Registry
+from hora.errors import HoraError, HoraInternalError, PeerLostError, ShutdownError
+from hora.timeline.writer import Timeline
+from hora.transports.base import Transport
+
+log = get_logger(__name__)
+
+ABORT_GATHER_SECONDS = 0.5
+"""On a local failure, how long to listen for other ranks' reasons before failing the ops."""
+
+
+class Engine:
+    """Owns the transport, the pending-op table and the background thread of one process."""
+
+    def __init__(self, transport: Transport, config: Config, registry: Registry, *,
+                 hostnames: list[str] | None = None, job_id: str = "") -> None:
+        self.transport = transport
+        self.config = config
+        self.registry = registry
+        self.rank = transport.rank
+        self.size = transport.size
+        self._queue: deque[Entry] = deque()
+        self._in_flight = InFlight()  # names of the ops in flight, per set
+        self.names = AutoNames()  # automatic op names (user threads; resynced on errors)
+        self._pending: dict[int, dict[str, Entry]] = {}  # set -> name -> op; engine thread only
+        self.timeline = Timeline.from_config(config, self.rank)
+        self._hostnames, self._job_id = hostnames, job_id
+        self._executor = Executor(transport.comm(), registry, config, self.timeline,
+                                  hostnames=hostnames, job_id=job_id,
+                                  on_negotiated=self._on_negotiated)
+        self._reports = WaitReports(transport.wake)  # this rank's long waits, for rank 0
+        self._watch = self._reports.watch
+        self._release_name = self._in_flight.release  # bound once: every op shares it
+        self._lanes = Lanes(transport, registry, config, hostnames, job_id, self._requeue,
+                            self._lane_failed, self._reports.watch_flush)
+        self._lane_error: BaseException | None = None
+        self._coordinator = Coordinator(registry, config) if self.rank == 0 else None
+        self._stop = threading.Event()
+        self._stopping = False  # _stop is set (a plain read for the submit path)
+        self._error: HoraInternalError | None = None
+        self._drained = False  # the thread has failed every op and reads no more submissions
+        # Control peers must be heard from within heartbeat_timeout_seconds.
+        self._liveness = Liveness(transport, config.heartbeat_timeout_seconds)
+        self._departed = self._liveness.departed
+        self._responses = Responses(transport, registry, self._executor, self._lanes, self.names,
+                                    self._liveness, self.timeline, self._pending, self._departed)
+        self._dispatch = self._responses.dispatch
+        self.tuning = Tuning(config, transport, self._departed, hostnames,  # autotune
+                             (self._coordinator, self._lanes, self._executor))
+        self._thread = threading.Thread(target=self._run, name="hora-engine", daemon=True)
+        self._cpu_core: int | None = None
+
+    # ---- user side ---------------------------------------------------------------------------
+    def start(self, cpu_core: int | None = None) -> None:
+        """Start the background thread; ``cpu_core``: pin it (and the fast-lane threads it
+        starts) to that core (``HOROVOD_THREAD_AFFINITY``, :mod:`hora.core.engine.affinity`)."""
+        self._cpu_core = cpu_core
+        self._thread.start()
+
+    def submit(self, entry: Entry) -> None:
+        """Queue an op. Raises ValueError for a duplicate in-flight name, or the engine's error."""
+        if self._error is not None or self._stopping:
+            raise self._final_error()
+        req = entry.request
+        self._in_flight.take(req.set_id, req.name)
+        handle = entry.handle
+        handle.set_id = req.set_id
+        handle.release = self._release_name  # frees the name before any waiter wakes
+        handle.watch = self._watch  # one bound method for every op (no allocation)
+        kind = req.kind
+        if kind is OpKind.ALLREDUCE or kind is OpKind.ALLGATHER:
+            lane = self._lanes.by_set.get(req.set_id)  # (an open lane: no lock, no call)
+            if lane is not None and lane.submit([entry]) or lane is None and \
+                    self._lanes.take([entry]):
+                return  # the fast lane runs it: no negotiation
+        elif kind is OpKind.JOIN:
+            self._lanes.before_join(kind, entry.request.set_id)
+        elif kind is OpKind.REMOVE_PROCESS_SET:
+            self._lanes.before_join(kind, entry.request.root)
+        self._enqueue(entry)
+
+    def submit_group(self, entries: list[Entry]) -> None:
+        """Queue the ops of one grouped call (one kind, one process set, in order). In a fast
+        lane they are one unit: run together, or all negotiated. Raises as :meth:`submit`; a
+        duplicate name queues none of them."""
+        if not entries:
+            return
+        if self._error is not None or self._stopping:
+            raise self._final_error()
+        self._in_flight.take_all(entries[0].request.set_id, [e.request.name for e in entries])
+        for entry in entries:
+            self._track(entry)
+        kind = entries[0].request.kind
+        if (kind is OpKind.ALLREDUCE or kind is OpKind.ALLGATHER) and self._lanes.take(entries):
+            return  # the fast lane runs them: no negotiation
+        for entry in entries:
+            self._enqueue(entry)
+
+    def _track(self, entry: Entry) -> None:
+        """Free the op's name when it completes; report long waits on it."""
+        entry.handle.set_id = entry.request.set_id
+        entry.handle.release = self._release_name
+        entry.handle.watch = self._watch  # one bound method for every op (no allocation)
+
+    def _enqueue(self, entry: Entry) -> None:
+        """Hand ``entry`` to the engine thread. If that thread has already failed or drained
+        every op (it stopped after this call's checks), fail the entry here: it must never sit
+        in a queue nobody reads. (``_fail_all`` sets ``_drained`` before it drains, so either it
+        sees the entry, or this check sees the flag; failing twice is harmless.)"""
+        self._queue.append(entry)
+        self.transport.wake()
+        if self._drained:
+            entry.handle.set_error(self._final_error())
+
+    def _final_error(self) -> HoraInternalError:
+        error = self._error or ShutdownError(
+            "Horovod has been shut down. This was caused by an exception on one of the ranks or "
+            "an attempt to use an op after shutdown().")
+        return type(error)(str(error))
+
+    def _send_waits(self) -> bool:
+        updates = self._reports.drain()
+        if not updates:
+            return False
+        if self._coordinator is not None:
+            for blocked, set_id, name, lane in updates:
+                self._coordinator.deadlocks.waiting(0, blocked, set_id, name, lane)
+        else:
+            self.transport.send_control(0, encode(MSG_WAITS, waits=updates))
+        return True
+
+    def _close_lanes(self, set_ids: list[int]) -> None:
+        """Rank 0: a suspected deadlock involves ops in these sets' fast lanes: every member
+        closes its log, so the lane hands them to the coordinator, which can then judge."""
+        for set_id in set_ids:
+            log.debug("process set %d: closing the fast lane to look for a deadlock", set_id)
+            for peer in self.registry.ranks(set_id) or []:
+                if peer == 0:
+                    self._lanes.close(set_id)
+                elif peer not in self._departed:
+                    self.transport.send_control(peer, encode(MSG_LANE_OFF, set=set_id))
+
+    def _requeue(self, entry: Entry) -> None:
+        """The fast lane hands an op back: it is negotiated like any other."""
+        if self._stop.is_set() or self._error is not None:
+            entry.handle.set_error(self._error or ShutdownError(
+                "Horovod has been shut down before this op ran."))
+            return
+        self._enqueue(entry)
+
+    def _lane_failed(self, error: BaseException) -> None:
+        """A fast lane collective failed (lane thread): the engine thread aborts the job."""
+        if self._lane_error is None:
+            self._lane_error = error
+        self.transport.wake()
+
+    def _on_negotiated(self, route: Route, resp: Response) -> None:
+        """Engine thread, before a negotiated allreduce or allgather runs: the set's lane opens
+        or learns."""
+        self._lanes.on_negotiated(route, resp)
+
+    def lane(self, set_id: int = 0) -> FastLane | None:
+        """The set's fast lane, if it has one (tests, benchmarks)."""
+        return self._lanes.get(set_id)
+
+    def data_path(self, set_id: int = 0) -> str | None:
+        """The data path the set's collectives use (after its first one), for logs/benchmarks."""
+        return self._executor.route_name(set_id)
+
+    @property
+    def error(self) -> HoraInternalError | None:
+        return self._error
+
+    def _halt(self) -> None:
+        self._stopping = True
+        self._stop.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread: pending ops fail with ShutdownError; tell the coordinator we left."""
+        self._halt()
+        self.transport.wake()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        self.timeline.stop()
+        self.transport.close()
+
+    # ---- background thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        if self._cpu_core is not None:
+            try:
+                affinity.pin_current_thread(self._cpu_core)
+                log.info("background threads pinned to core %d (HOROVOD_THREAD_AFFINITY)",
+                         self._cpu_core)
+            except OSError as exc:  # checked at init(); the core may have gone offline since
+                log.error("could not pin the background threads to core %d "
+                          "(HOROVOD_THREAD_AFFINITY): %s", self._cpu_core, exc)
+        check_every = max(0.5, min(5.0, self.config.stall_check_time_seconds / 4))
+        next_check = time.monotonic() + check_every
+        deadlock_every = max(0.02, min(0.1, self.config.deadlock_time_seconds / 8))
+        next_deadlock = 0.0
+        try:
+            while not self._stop.is_set():
+                if self._lane_error is not None:
+                    self._responses.executing = True  # a lane op failed: gather the reasons
+                    raise self._lane_error
+                self.timeline.mark_cycle()
+                self._liveness.beat()
+                busy = self._take_submissions()
+                busy = self._send_waits() or busy
+                busy = self._receive(0.0) or busy
+                coordinator = self._coordinator
+                if coordinator is not None:
+                    now = time.monotonic()
+                    if now >= next_check:
+                        next_check = now + check_every
+                        self._dispatch(coordinator.check_stalls())
+                    if coordinator.deadlocks.has_waits() and now >= next_deadlock:
+                        next_deadlock = now + deadlock_every
+                        failed, lanes = coordinator.deadlocks.check(now)
+                        self._close_lanes(lanes)
+                        self._dispatch(failed)
+                    busy = self.tuning.poll() or busy  # (between batches of responses)
+                    busy = self._dispatch(coordinator.ready()) or busy
+                if not busy and not self._stop.is_set():
+                    # Nothing to do: sleep until a control message, a submission (wake) or the
+                    # next stall check. Whatever arrives is handled on the next pass.
+                    wait: float | None = None
+                    if coordinator is not None:
+                        due = min(next_check, coordinator.next_deadline() or next_check)
+                        if coordinator.deadlocks.has_waits():
+                            due = min(due, next_deadlock)
+                        wait = max(0.0, due - time.monotonic())
+                    beat = self._liveness.next_beat_in()
+                    if beat is not None:
+                        wait = beat if wait is None else min(wait, beat)
+                    self._receive(wait)
+            self._liveness.say_goodbye()
+        except HoraError as exc:
+            self._abort(exc)
+        except Exception as exc:
+            log.exception("hora engine failed")
+            self._abort(HoraInternalError(f"hora engine failed: {exc!r}"))
+        finally:
+            self._lanes.stop_all(self._error)
+            self._executor.close()  # unmap and unlink this rank's shared memory
+            self._fail_all(self._final_error())
+
+    def _take_submissions(self) -> bool:
+        requests: list[Request] = []
+        while self._queue:
+            entry = self._queue.popleft()
+            self._pending.setdefault(entry.request.set_id, {})[entry.request.name] = entry
+            requests.append(entry.request)
+        if not requests:
+            return False
+        if self._coordinator is not None:
+            trace.negotiation_ready(self.timeline, self.registry, requests)
+            self._coordinator.add(requests)
+        else:
+            if self.timeline.recording:  # per-rank files: this rank's own wait for the others
+                for req in requests:
+                    self.timeline.negotiate_start(req.name, req.kind)
+            self.transport.send_control(0, encode(MSG_REQUESTS, reqs=requests))
+        return True
+
+    def _receive(self, wait: float | None) -> bool:
+        """Handle every control message available; block up to ``wait`` for the first.
+
+        Returns True if any message was handled.
+        """
+        timeout = wait
+        if self._queue or self._stop.is_set():
+            timeout = 0.0
+        handled = False
+        while True:
+            try:
+                msg = self.transport.recv_control(timeout)
+            except PeerLostError as exc:
+                if exc.peer is not None and exc.peer in self._departed:
+                    continue  # it said goodbye first: a clean exit
+                raise
+            if msg is None:
+                return handled
+            timeout = 0.0
+            handled = True
+            sender, payload = msg
+            self._liveness.heard(sender)
+            kind, body = decode(payload)
+            if kind == MSG_HEARTBEAT:
+                pass
+            elif kind == MSG_REQUESTS and self._coordinator is not None:
+                for req in body["reqs"]:
+                    req.rank = sender  # the authenticated connection says who sent it
+                trace.negotiation_ready(self.timeline, self.registry, body["reqs"])
+                self._coordinator.add(body["reqs"])
+            elif kind == MSG_RESPONSES and self._coordinator is None:
+                trace.negotiation_done(self.timeline, body["resps"])
+                self._responses.execute(body["resps"])
+            elif kind == MSG_WAITS and self._coordinator is not None:
+                for blocked, set_id, name, lane in parse_waits(body):
+                    self._coordinator.deadlocks.waiting(sender, blocked, set_id, name, lane)
+            elif kind == MSG_PARAMS and self._coordinator is None:
+                self.tuning.receive(body)
+            elif kind == MSG_LANE_OFF and self._coordinator is None:
+                lane_set = body.get("set")
+                if isinstance(lane_set, int):
+                    self._lanes.close(lane_set)
+            elif kind == MSG_BYE and self._coordinator is not None:
+                self._liveness.depart(sender)
+                self._coordinator.depart(sender, "it called shutdown() or exited")
+            elif kind == MSG_SHUTDOWN:
+                self._error = ShutdownError(
+                    "Horovod has been shut down: rank 0 called shutdown() or exited; no more "
+                    "collectives can run in this job.")
+                self._halt()
+                return True
+            elif kind == MSG_ABORT:
+                raise RemoteAbort(str(body.get("reason", "another rank failed")), sender)
+            if self._stop.is_set():
+                return True
+
+    # ---- shutdown and failure ------------------------------------------------------------------
+    def _abort(self, exc: HoraError) -> None:
+        """Fail this rank loudly: unblock peers at once, tell the others, collect their causes."""
+        remote = isinstance(exc, RemoteAbort)
+        error = (HoraInternalError(str(exc)) if remote or not isinstance(exc, HoraInternalError)
+                 else exc)
+        self.transport.shutdown_data()  # peers blocked on our data get EOF now, not a timeout
+        self._liveness.send_abort(exc)
+        if self._responses.executing and not remote:
+            # A data-plane error may only be an echo (a peer that failed first shut its data
+            # down): add what the other ranks report, so the message names the root cause.
+            others = self._liveness.gather_abort_reasons(
+                ABORT_GATHER_SECONDS, exc.peer if isinstance(exc, PeerLostError) else None)
+            if others:
+                error = type(error)(f"{error}; other ranks report: {' | '.join(others)}")
+        if self._error is None:
+            self._error = error
+        log.error("%s", self._error)
+        self.timeline.fail_all(str(self._error))
+        self._halt()
+
+    def _fail_all(self, error: HoraInternalError) -> None:
+        self._drained = True  # before draining: see _enqueue
+        self._executor.fail_unfinished(error)  # a failed collective's ops: the merged error
+        while self._queue:
+            entry = self._queue.popleft()
+            self._pending.setdefault(entry.request.set_id, {})[entry.request.name] = entry
+        for ops in self._pending.values():
+            for entry in ops.values():
+                entry.handle.set_error(type(error)(str(error)))
+        self._pending.clear()
