@@ -10,6 +10,7 @@ from typing import Any
 
 import keras
 import numpy as np
+from tf_fit_checks import epoch_check, interleaved, weights
 
 import hora.keras as hk
 
@@ -34,35 +35,6 @@ def _model(seed: int) -> keras.Model:
                              keras.layers.Dense(1)])
 
 
-def _weights(model: keras.Model) -> np.ndarray:
-    return np.concatenate([np.asarray(v.numpy()).ravel() for v in model.weights])
-
-
-class _EpochCheck(keras.callbacks.Callback):
-    """After every epoch: the weights are the same on every rank."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.epochs = 0
-
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        everyone = hk.allgather_object(_weights(self.model))
-        assert all(np.array_equal(everyone[0], w) for w in everyone), \
-            f"epoch {epoch}: weights differ across ranks"
-        self.epochs += 1
-
-
-def _interleaved(n: int, per_step: int) -> tuple[np.ndarray, np.ndarray]:
-    """The union of every rank's batches, step by step (what one process would train on)."""
-    xs, ys = zip(*[_data(q) for q in range(n)])
-    bx, by = [], []
-    for s in range(STEPS // per_step):
-        rows = slice(s * per_step * BATCH, (s + 1) * per_step * BATCH)
-        bx += [x[rows] for x in xs]
-        by += [y[rows] for y in ys]
-    return np.concatenate(bx), np.concatenate(by)
-
-
 def _fit_case(backward_passes: int) -> Any:
     def case(hvd: Any) -> None:
         r, n = hvd.rank(), hvd.size()
@@ -74,7 +46,7 @@ def _fit_case(backward_passes: int) -> Any:
         assert type(opt).__name__ == "SGD" and isinstance(opt, keras.optimizers.SGD)
         model.compile(optimizer=opt, loss="mse")
         x, y = _data(r)
-        check = _EpochCheck()
+        check = epoch_check(keras.callbacks.Callback, hk.allgather_object)
         model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[check])
         assert check.epochs == 2
         # one process, plain SGD, on the union of the batches; Horovod's default for
@@ -83,11 +55,11 @@ def _fit_case(backward_passes: int) -> Any:
         for v, s in zip(ref.weights, start):
             v.assign(s)
         ref.compile(optimizer=keras.optimizers.SGD(0.1 * backward_passes), loss="mse")
-        rx, ry = _interleaved(n, backward_passes)
+        rx, ry = interleaved(_data, n, STEPS, BATCH, backward_passes)
         ref.fit(rx, ry, batch_size=BATCH * n * backward_passes, epochs=2, shuffle=False,
                 verbose=0)
-        assert np.allclose(_weights(model), _weights(ref), atol=1e-5), \
-            f"distributed {_weights(model)[:4]} != one process {_weights(ref)[:4]}"
+        assert np.allclose(weights(model), weights(ref), atol=1e-5), \
+            f"distributed {weights(model)[:4]} != one process {weights(ref)[:4]}"
     return case
 
 
@@ -99,7 +71,7 @@ def _partial(hvd: Any) -> None:
     model.compile(optimizer=opt, loss="mse")
     x, y = _data(r)
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    first = hk.allgather_object(_weights(keras.Sequential([model.layers[0]])))
+    first = hk.allgather_object(weights(keras.Sequential([model.layers[0]])))
     last = hk.allgather_object(np.asarray(model.layers[1].kernel.numpy()))
     assert not np.array_equal(first[0], first[1]), "local layer was averaged"
     assert np.array_equal(last[0], last[1]), "global layer differs"
@@ -165,7 +137,7 @@ def _load_model(hvd: Any) -> None:
         assert type(loaded.optimizer).__name__ == "Adam"
         assert hasattr(loaded.optimizer, "_hora_reducer"), "load_model did not wrap"
         loaded.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
-        everyone = hk.allgather_object(_weights(loaded))
+        everyone = hk.allgather_object(weights(loaded))
         assert np.array_equal(everyone[0], everyone[1])
 
 

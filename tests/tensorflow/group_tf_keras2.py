@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from tf_fit_checks import epoch_check, interleaved
 from tf_keras2_cases import (
     BATCH,
     STEPS,
@@ -64,31 +65,6 @@ def _flavor(hvd: Any) -> None:
     assert hkk.elastic.KerasState is hk.elastic.KerasState
 
 
-class _EpochCheck(keras.callbacks.Callback):
-    """After every epoch: the weights are the same on every rank."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.epochs = 0
-
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        everyone = hk.allgather_object(weights(self.model))
-        assert all(np.array_equal(everyone[0], w) for w in everyone), \
-            f"epoch {epoch}: weights differ across ranks"
-        self.epochs += 1
-
-
-def _interleaved(n: int, per_step: int) -> tuple[np.ndarray, np.ndarray]:
-    """The union of every rank's batches, step by step (what one process would train on)."""
-    xs, ys = zip(*[data(q) for q in range(n)])
-    bx, by = [], []
-    for s in range(STEPS // per_step):
-        rows = slice(s * per_step * BATCH, (s + 1) * per_step * BATCH)
-        bx += [x[rows] for x in xs]
-        by += [y[rows] for y in ys]
-    return np.concatenate(bx), np.concatenate(by)
-
-
 def _fit_case(kind: str, passes: int, average: bool) -> Any:
     def case(hvd: Any) -> None:
         r, n = hvd.rank(), hvd.size()
@@ -100,7 +76,7 @@ def _fit_case(kind: str, passes: int, average: bool) -> Any:
         assert type(opt).__name__ == "SGD" and is_keras2(opt)
         model.compile(optimizer=opt, loss="mse")
         x, y = data(r)
-        check = _EpochCheck()
+        check = epoch_check(keras.callbacks.Callback, hk.allgather_object)
         model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[check])
         assert check.epochs == 2
         assert int(opt.iterations.numpy()) == 2 * STEPS, opt.iterations.numpy()
@@ -112,7 +88,7 @@ def _fit_case(kind: str, passes: int, average: bool) -> Any:
         for v, s in zip(ref.weights, start):
             v.assign(s)
         ref.compile(optimizer=_sgd(kind, 0.1 * (1 if average else passes)), loss="mse")
-        rx, ry = _interleaved(n, passes)
+        rx, ry = interleaved(data, n, STEPS, BATCH, passes)
         ref.fit(rx, ry, batch_size=BATCH * n * passes, epochs=2, shuffle=False, verbose=0)
         assert np.allclose(weights(model), weights(ref), atol=1e-5), \
             f"distributed {weights(model)[:4]} != one process {weights(ref)[:4]}"

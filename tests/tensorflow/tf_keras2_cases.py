@@ -16,6 +16,7 @@ import tensorflow as tf
 # imported before hora.tensorflow.keras, as Horovod's scripts do: tf.keras is then a module
 # named "tensorflow.keras" whichever Keras it is, and hora must still see tf-keras
 from tensorflow.keras.optimizers import Optimizer as TfKerasOptimizer  # noqa: F401
+from tf_fit_checks import weights
 
 import hora.tensorflow.keras as hk
 
@@ -33,10 +34,6 @@ def make_model(seed: int) -> Any:
     keras.utils.set_random_seed(seed)
     return keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"),
                              keras.layers.Dense(1)])
-
-
-def weights(model: Any) -> np.ndarray:
-    return np.concatenate([np.asarray(v.numpy()).ravel() for v in model.weights])
 
 
 class _Seen(keras.callbacks.Callback):
