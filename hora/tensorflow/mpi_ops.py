@@ -141,7 +141,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
             out[i] = allreduce(tensors[i], op=resolved, compression=compression,
                                name=f"{name}.{i}" if name else None, process_set=process_set,
                                ignore_name_scope=ignore_name_scope)
-        dense = [i for i in range(len(tensors)) if i not in set(sparse)]
+        dense = sorted(set(range(len(tensors))) - set(sparse))
         reduced = grouped_allreduce([tensors[i] for i in dense], None, device_dense,
                                     device_sparse, compression, resolved, prescale_factor,
                                     postscale_factor, name, process_set, ignore_name_scope)
