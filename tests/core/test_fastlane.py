@@ -719,7 +719,7 @@ def test_wait_timeout_on_a_lane_op_is_the_timeout_asked(world: Any) -> None:
     for _ in range(2):
         _reduce_all(w, "alone", [np.ones(2), np.ones(2)])
     h = w.submit(0, "alone", np.ones(2), op=SUM)  # a hit; rank 1 has not submitted it yet
-    assert h.driver is not None  # it is in the lane: wait() drives it
+    assert h.runner is not None  # it is in the lane: wait() drives it
     start = time.monotonic()
     with pytest.raises(HoraTimeoutError, match="did not finish within 1.0 s"):
         h.wait(1.0)

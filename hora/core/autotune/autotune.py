@@ -5,7 +5,9 @@ cycle time, hierarchical allreduce and allgather:
 :class:`~hora.core.autotune.autotune_search.Params`)
 and hands each new setting to the parts that read them (:class:`Retunable`: rank 0's
 coordinator fuses and holds responses by it, the fast lanes' leaders fuse by it, the executor
-builds routes by it).
+builds routes by it). On rank 0 it sees the collectives run through the parts that run them
+(:class:`Observed`: the engine's executor and the fast lanes). The engine names both lists
+when it builds its :class:`Tuning`; autotune reaches nothing else.
 
 **Who decides.** Only rank 0 tunes (:mod:`hora.core.autotune.autotune_search` measures windows of
 the setting in force from the collectives it runs, the setting tried alternating with the starting
@@ -32,7 +34,8 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, cast
+from collections.abc import Set as AbstractSet
+from typing import Any, Protocol
 
 from hora._util.log import get_logger
 from hora.collectives.ops import to_dtype
@@ -58,13 +61,15 @@ REQUEST_TIMEOUT_S = 30.0
 
 
 class Retunable(Protocol):
-    """A part of the engine that reads tunables: told the new config at each change."""
+    """A part of the engine that reads tunables: told the new config at each change (the engine
+    thread, at the same point of the response order on every rank)."""
 
     def retune(self, config: Config) -> None: ...
 
 
 class Observed(Protocol):
-    """A part of the engine that runs collectives: rank 0's tuner sets its ``observe``."""
+    """A part of the engine that runs collectives: rank 0's tuner sets its ``observe``, which it
+    calls with each allreduce and allgather response it runs (from whichever thread runs it)."""
 
     observe: Callable[[Response], None] | None
 
@@ -84,9 +89,9 @@ class Tuning:
         transport: rank 0 sends new settings to the others over its control plane.
         departed: ranks that left cleanly (sent nothing more).
         hostnames: every rank's host (hierarchical choices apply only across hosts).
-        targets: the parts that read tunables, told each new setting in order (None: absent);
-            on rank 0 with autotune on, those that run collectives (:class:`Observed`) get
-            :meth:`observe` as their ``observe``.
+        retunables: the parts that read tunables, told each new setting in this order.
+        observed: the parts that run collectives: on rank 0 with autotune on, each gets
+            :meth:`observe` as its ``observe``.
         env: where to see which tunables the user set explicitly (default ``os.environ``).
 
     Raises:
@@ -94,13 +99,14 @@ class Tuning:
             be written.
     """
 
-    def __init__(self, config: Config, transport: Transport, departed: set[int],
-                 hostnames: Sequence[str] | None, targets: Sequence[Retunable | None], *,
+    def __init__(self, config: Config, transport: Transport, departed: AbstractSet[int],
+                 hostnames: Sequence[str] | None, *, retunables: Sequence[Retunable],
+                 observed: Sequence[Observed] = (),
                  env: Mapping[str, str] | None = None) -> None:
         self._config = config
         self._transport = transport
         self._departed = departed
-        self._targets = [t for t in targets if t is not None]
+        self._targets = list(retunables)
         self.current = Params.of(config, active=config.autotune)
         self.applied: list[Params] = []  # every setting applied here, in order (tests, logs)
         self._lock = threading.Lock()
@@ -116,9 +122,8 @@ class Tuning:
         if config.autotune and transport.rank == 0:
             self._start_search(config, hostnames, os.environ if env is None else env)
         if self._sampler is not None:
-            for target in self._targets:
-                if hasattr(target, "observe"):
-                    cast(Observed, target).observe = self.observe
+            for part in observed:
+                part.observe = self.observe
 
     @property
     def active(self) -> bool:
@@ -311,4 +316,4 @@ def _prod(shape: Sequence[int]) -> int:
     return n
 
 
-__all__ = ["REQUEST_TIMEOUT_S", "Retunable", "Tuning", "spans_hosts"]
+__all__ = ["REQUEST_TIMEOUT_S", "Observed", "Retunable", "Tuning", "spans_hosts"]

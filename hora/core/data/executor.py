@@ -1,9 +1,11 @@
 """Execution of negotiated responses on this rank: fuse, run the collective, unpack, complete.
 
 Each executor is driven by one thread at a time: the engine's own executor by the engine thread;
-a fast lane's executor by whichever thread drives that lane (its lane thread or a waiting
-caller). Each :class:`~hora.core.op.messages.Response` is executed identically (same algorithm,
-same sizes) by every member of its process set.
+a fast lane's executor (built by :meth:`hora.core.lane.lanes.Lanes.lane_executor`) by whichever
+thread drives that lane (its lane thread or a waiting caller). An executor calls nothing back:
+the engine tells the lanes what was negotiated before it runs a response. Each
+:class:`~hora.core.op.messages.Response` is executed identically (same algorithm, same sizes)
+by every member of its process set.
 """
 
 from __future__ import annotations
@@ -61,8 +63,7 @@ class Executor:
 
     def __init__(self, comm: Comm, registry: Registry, config: Config,
                  timeline: Timeline | None = None, hostnames: list[str] | None = None,
-                 job_id: str = "",
-                 on_negotiated: Callable[[Route, Response], None] | None = None) -> None:
+                 job_id: str = "") -> None:
         self._tl = timeline if timeline is not None else Timeline()
         # False for a fast lane's executor: its timeline never records (a lane exists only
         # without a configured timeline), so its ops skip the timeline hooks without a call
@@ -83,8 +84,6 @@ class Executor:
         is often only the echo of another rank's failure (its waiters wait until then)."""
         # rank 0 with autotune on: sees each allreduce and allgather it runs (the score)
         self.observe: Callable[[Response], None] | None = None
-        # sees each allreduce and allgather response before it runs (the fast lane learns them)
-        self._on_negotiated = on_negotiated
 
     def comm_for(self, set_id: int) -> Comm:
         comm = self._subcomms.get(set_id)
@@ -177,9 +176,6 @@ class Executor:
             route = self.route_for(resp.set_id)
         if self.observe is not None:
             self.observe(resp)
-        if self._on_negotiated is not None and (kind is OpKind.ALLREDUCE
-                                                or kind is OpKind.ALLGATHER):
-            self._on_negotiated(route, resp)
         if kind is OpKind.ALLREDUCE:
             try:
                 self._allreduce(route, resp, entries)

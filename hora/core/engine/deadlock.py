@@ -51,12 +51,14 @@ class WaitReports:
         self._wake = wake
         self._queue: deque[Wait] = deque()
 
-    def watch(self, handle: Handle, blocked: bool) -> None:
-        """A user thread has waited for ``handle``'s op (``blocked``), or that wait ended."""
-        self._queue.append((blocked, handle.set_id, handle.name, handle.driver is not None))
+    def report(self, handle: Handle, blocked: bool) -> None:
+        """Every op's :attr:`~hora.core.op.handle.Handle.report_wait` (a user thread): it has
+        waited for ``handle``'s op (``blocked``), or that wait ended; a wait in a fast lane
+        (the handle has a ``runner``) is reported as one."""
+        self._queue.append((blocked, handle.set_id, handle.name, handle.runner is not None))
         self._wake()
 
-    def watch_flush(self, set_id: int, blocked: bool) -> None:
+    def report_flush(self, set_id: int, blocked: bool) -> None:
         """A join / remove_process_set waits for this rank's fast-lane log of ``set_id``."""
         self._queue.append((blocked, set_id, LANE_FLUSH, True))
         self._wake()

@@ -3,14 +3,15 @@ rank runs the batch in order (the engine thread only).
 
 A response list is the coordinator's decision for one batch: collectives (possibly fused),
 process-set changes, joins and errors. Every rank runs the same list in the same order, which is
-what keeps the ranks' transports in step. :class:`Responses` also keeps the one flag the
-engine's failure path needs: whether a collective was running when something failed (then the
-error may be an echo of another rank's failure, and the engine listens for the root cause).
+what keeps the ranks' transports in step. :class:`Responses` owns this rank's table of ops
+waiting for their response, and tells the fast lanes each negotiated allreduce and allgather
+before it runs (:meth:`~hora.core.lane.lanes.Lanes.learn`, the one place lanes learn). It also
+keeps the one flag the engine's failure path needs: whether a collective was running when
+something failed (then the error may be an echo of another rank's failure, and the engine
+listens for the root cause).
 """
 
 from __future__ import annotations
-
-from collections.abc import Set
 
 from hora.core.data.executor import Executor
 from hora.core.engine import trace
@@ -32,16 +33,16 @@ from hora.transports.base import Transport
 
 
 class Responses:
-    """Sends and runs response batches for one engine.
+    """Sends and runs response batches for one engine (the engine thread only).
 
-    ``pending`` is the engine's table of submitted ops (set id -> name -> entry), shared: the
-    executor completes and removes entries from it. ``departed`` is the live set of ranks that
-    said goodbye (they are sent nothing).
+    It owns the table of this rank's negotiated ops waiting for their response (set id ->
+    name -> entry): the engine adds each op it requests (:meth:`expect`), running a response
+    completes and removes its ops, and :meth:`fail_all` fails what is left. Ranks that said
+    goodbye (``liveness.departed``) are sent nothing.
     """
 
     def __init__(self, transport: Transport, registry: Registry, executor: Executor,
-                 lanes: Lanes, names: AutoNames, liveness: Liveness, timeline: Timeline,
-                 pending: dict[int, dict[str, Entry]], departed: Set[int]) -> None:
+                 lanes: Lanes, names: AutoNames, liveness: Liveness, timeline: Timeline) -> None:
         self._transport = transport
         self._registry = registry
         self._executor = executor
@@ -49,11 +50,22 @@ class Responses:
         self._names = names
         self._liveness = liveness
         self._timeline = timeline
-        self._pending = pending
-        self._departed = departed
+        self._pending: dict[int, dict[str, Entry]] = {}  # set -> name -> op awaiting its response
+        self._departed = liveness.departed  # (the live set: read, never written here)
         self._rank, self._size = transport.rank, transport.size
         self.executing = False
         """True while a batch runs; left True if it raised (the engine's abort reads it)."""
+
+    def expect(self, entry: Entry) -> None:
+        """The engine requested ``entry``'s op: its response will complete it."""
+        self._pending.setdefault(entry.request.set_id, {})[entry.request.name] = entry
+
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every op still waiting for its response with ``error`` (a fresh copy each)."""
+        pending, self._pending = self._pending, {}
+        for ops in pending.values():
+            for entry in ops.values():
+                entry.handle.set_error(type(error)(str(error)))
 
     def dispatch(self, responses: list[Response]) -> bool:
         """Rank 0: send ``responses`` to the members that must run them, then run them here.
@@ -99,6 +111,9 @@ class Responses:
                     self._names.observe(resp.set_id, name)  # the next one alike everywhere
                 if "join" in resp.names:  # a failed join (deadlock): this rank is back in
                     self._lanes.join_failed(resp.set_id)
+            elif in_set and (resp.kind is OpKind.ALLREDUCE or resp.kind is OpKind.ALLGATHER):
+                # before it runs, on every member alike: the set's lane opens or learns
+                self._lanes.learn(self._executor.route_for(resp.set_id), resp)
             if in_set or resp.kind in (OpKind.ADD_PROCESS_SET, OpKind.REMOVE_PROCESS_SET,
                                        OpKind.ERROR):
                 self._executor.execute(resp, self._pending.setdefault(resp.set_id, {}))

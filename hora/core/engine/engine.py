@@ -18,8 +18,17 @@ rank fails with the cause, and rank 0 tells every other rank to do the same.
 
 Beside it: :mod:`hora.core.engine.liveness` (heartbeats, goodbyes, abort reasons),
 :mod:`hora.core.lane.lanes` (the fast lanes' lifecycle), :mod:`hora.core.engine.deadlock` (wait
-reports and the detector), :mod:`hora.core.engine.dispatch` (sending and running response batches),
-:mod:`hora.core.data.executor` (running an agreed response).
+reports and the detector), :mod:`hora.core.engine.dispatch` (sending and running response
+batches, the table of ops awaiting their response), :mod:`hora.core.data.executor` (running an
+agreed response), :mod:`hora.core.autotune.autotune` (the tunables).
+
+**The engine and the fast lane** meet through one stated interface
+(:mod:`hora.core.lane.engine_side`): the engine calls its :class:`~hora.core.lane.lanes.Lanes`
+(``offer`` from user threads, ``learn`` and the lane's lifecycle from the engine thread), and
+implements :class:`~hora.core.lane.engine_side.EngineSide` for the lanes (:meth:`Engine.requeue`,
+:meth:`Engine.lane_failed`, :meth:`Engine.flush_blocked`). Which thread runs an op: a negotiated
+op, the engine thread; a lane op, the thread driving the lane (a waiting caller, through its
+handle's ``runner``, or the lane's thread).
 """
 
 from __future__ import annotations
@@ -32,7 +41,6 @@ from hora._util.log import get_logger
 from hora.config import Config
 from hora.core.autotune.autotune import Tuning
 from hora.core.data.executor import Executor
-from hora.core.data.routing import Route
 from hora.core.engine import affinity, trace
 from hora.core.engine.coordinator import Coordinator
 from hora.core.engine.deadlock import WaitReports
@@ -53,7 +61,6 @@ from hora.core.op.messages import (
     MSG_WAITS,
     OpKind,
     Request,
-    Response,
     decode,
     encode,
     parse_waits,
@@ -71,7 +78,8 @@ ABORT_GATHER_SECONDS = 0.5
 
 
 class Engine:
-    """Owns the transport, the pending-op table and the background thread of one process."""
+    """Owns the transport, the submission queue and the background thread of one process; the
+    fast lanes' :class:`~hora.core.lane.engine_side.EngineSide`."""
 
     def __init__(self, transport: Transport, config: Config, registry: Registry, *,
                  hostnames: list[str] | None = None, job_id: str = "") -> None:
@@ -83,17 +91,13 @@ class Engine:
         self._queue: deque[Entry] = deque()
         self._in_flight = InFlight()  # names of the ops in flight, per set
         self.names = AutoNames()  # automatic op names (user threads; resynced on errors)
-        self._pending: dict[int, dict[str, Entry]] = {}  # set -> name -> op; engine thread only
         self.timeline = Timeline.from_config(config, self.rank)
-        self._hostnames, self._job_id = hostnames, job_id
         self._executor = Executor(transport.comm(), registry, config, self.timeline,
-                                  hostnames=hostnames, job_id=job_id,
-                                  on_negotiated=self._on_negotiated)
+                                  hostnames=hostnames, job_id=job_id)
         self._reports = WaitReports(transport.wake)  # this rank's long waits, for rank 0
-        self._watch = self._reports.watch
-        self._release_name = self._in_flight.release  # bound once: every op shares it
-        self._lanes = Lanes(transport, registry, config, hostnames, job_id, self._requeue,
-                            self._lane_failed, self._reports.watch_flush)
+        self._report_wait = self._reports.report  # bound once: every op's handle shares them
+        self._release_name = self._in_flight.release
+        self._lanes = Lanes(transport, registry, config, job_id, self)  # (self: EngineSide)
         self._lane_error: BaseException | None = None
         self._coordinator = Coordinator(registry, config) if self.rank == 0 else None
         self._stop = threading.Event()
@@ -102,12 +106,16 @@ class Engine:
         self._drained = False  # the thread has failed every op and reads no more submissions
         # Control peers must be heard from within heartbeat_timeout_seconds.
         self._liveness = Liveness(transport, config.heartbeat_timeout_seconds)
-        self._departed = self._liveness.departed
+        self._departed = self._liveness.departed  # (read here; Liveness writes it)
+        # the ops awaiting their response are the Responses' (expect, fail_all)
         self._responses = Responses(transport, registry, self._executor, self._lanes, self.names,
-                                    self._liveness, self.timeline, self._pending, self._departed)
+                                    self._liveness, self.timeline)
         self._dispatch = self._responses.dispatch
-        self.tuning = Tuning(config, transport, self._departed, hostnames,  # autotune
-                             (self._coordinator, self._lanes, self._executor))
+        self.tuning = Tuning(  # autotune: what reads the tunables, what runs collectives
+            config, transport, self._departed, hostnames,
+            retunables=[self._lanes, self._executor] if self._coordinator is None
+            else [self._coordinator, self._lanes, self._executor],
+            observed=[self._lanes, self._executor])
         self._thread = threading.Thread(target=self._run, name="hora-engine", daemon=True)
         self._cpu_core: int | None = None
 
@@ -127,13 +135,13 @@ class Engine:
         handle = entry.handle
         handle.set_id = req.set_id
         handle.release = self._release_name  # frees the name before any waiter wakes
-        handle.watch = self._watch  # one bound method for every op (no allocation)
+        handle.report_wait = self._report_wait  # one bound method for every op (no allocation)
         kind = req.kind
         if kind is OpKind.ALLREDUCE or kind is OpKind.ALLGATHER:
             lane = self._lanes.by_set.get(req.set_id)  # (an open lane: no lock, no call)
-            if lane is not None and lane.submit([entry]) or lane is None and \
-                    self._lanes.take([entry]):
-                return  # the fast lane runs it: no negotiation
+            if lane is not None and lane.offer([entry]) or lane is None and \
+                    self._lanes.offer([entry]):
+                return  # the fast lane took it: no negotiation
         elif kind is OpKind.JOIN:
             self._lanes.before_join(kind, entry.request.set_id)
         elif kind is OpKind.REMOVE_PROCESS_SET:
@@ -152,8 +160,8 @@ class Engine:
         for entry in entries:
             self._track(entry)
         kind = entries[0].request.kind
-        if (kind is OpKind.ALLREDUCE or kind is OpKind.ALLGATHER) and self._lanes.take(entries):
-            return  # the fast lane runs them: no negotiation
+        if (kind is OpKind.ALLREDUCE or kind is OpKind.ALLGATHER) and self._lanes.offer(entries):
+            return  # the fast lane took them: no negotiation
         for entry in entries:
             self._enqueue(entry)
 
@@ -161,7 +169,7 @@ class Engine:
         """Free the op's name when it completes; report long waits on it."""
         entry.handle.set_id = entry.request.set_id
         entry.handle.release = self._release_name
-        entry.handle.watch = self._watch  # one bound method for every op (no allocation)
+        entry.handle.report_wait = self._report_wait  # one bound method for every op
 
     def _enqueue(self, entry: Entry) -> None:
         """Hand ``entry`` to the engine thread. If that thread has already failed or drained
@@ -201,24 +209,28 @@ class Engine:
                 elif peer not in self._departed:
                     self.transport.send_control(peer, encode(MSG_LANE_OFF, set=set_id))
 
-    def _requeue(self, entry: Entry) -> None:
-        """The fast lane hands an op back: it is negotiated like any other."""
-        if self._stop.is_set() or self._error is not None:
-            entry.handle.set_error(self._error or ShutdownError(
-                "Horovod has been shut down before this op ran."))
-            return
-        self._enqueue(entry)
+    # ---- the fast lanes' EngineSide (hora.core.lane.engine_side; threads: there) ---------------
+    def requeue(self, entries: list[Entry]) -> None:
+        """A fast lane hands ops back (the thread driving it, in log order): they are
+        negotiated like any other, or fail at once if the engine has stopped."""
+        for entry in entries:
+            if self._stop.is_set() or self._error is not None:
+                entry.handle.set_error(self._error or ShutdownError(
+                    "Horovod has been shut down before this op ran."))
+            else:
+                self._enqueue(entry)
 
-    def _lane_failed(self, error: BaseException) -> None:
-        """A fast lane collective failed (lane thread): the engine thread aborts the job."""
+    def lane_failed(self, error: BaseException) -> None:
+        """A fast lane collective failed (the thread driving it): the engine thread aborts the
+        job at its next pass."""
         if self._lane_error is None:
             self._lane_error = error
         self.transport.wake()
 
-    def _on_negotiated(self, route: Route, resp: Response) -> None:
-        """Engine thread, before a negotiated allreduce or allgather runs: the set's lane opens
-        or learns."""
-        self._lanes.on_negotiated(route, resp)
+    def flush_blocked(self, set_id: int, blocked: bool) -> None:
+        """A user thread draining the set's lane log has been blocked (or no longer is): a wait
+        in the lane, for rank 0's deadlock detector."""
+        self._reports.report_flush(set_id, blocked)
 
     def lane(self, set_id: int = 0) -> FastLane | None:
         """The set's fast lane, if it has one (tests, benchmarks)."""
@@ -310,7 +322,7 @@ class Engine:
         requests: list[Request] = []
         while self._queue:
             entry = self._queue.popleft()
-            self._pending.setdefault(entry.request.set_id, {})[entry.request.name] = entry
+            self._responses.expect(entry)
             requests.append(entry.request)
         if not requests:
             return False
@@ -405,9 +417,5 @@ class Engine:
         self._drained = True  # before draining: see _enqueue
         self._executor.fail_unfinished(error)  # a failed collective's ops: the merged error
         while self._queue:
-            entry = self._queue.popleft()
-            self._pending.setdefault(entry.request.set_id, {})[entry.request.name] = entry
-        for ops in self._pending.values():
-            for entry in ops.values():
-                entry.handle.set_error(type(error)(str(error)))
-        self._pending.clear()
+            self._responses.expect(self._queue.popleft())
+        self._responses.fail_all(error)

@@ -31,9 +31,10 @@ position ``p`` of every log and publishes one decision in its board:
 Every member applies the same decisions in the same order, so an op runs through the lane on
 all members or on none, in one order everywhere, and a unit runs whole (split only where it
 exceeds one fused op). The lane has its own shared-memory group and runs on its own thread, or
-on a thread waiting for one of its ops (a handle's ``driver``; a grouped call's handle drives
+on a thread waiting for one of its ops (a handle's ``runner``; a grouped call's handle drives
 its members' lane), saving two thread hand-offs; it never waits for the engine thread, nor the
-engine for it: a member blocked in a negotiated op cannot deadlock a lane op.
+engine for it: a member blocked in a negotiated op cannot deadlock a lane op. It reaches the
+engine only through one :class:`~hora.core.lane.engine_side.EngineSide`.
 
 **Waiting.** Appending rings the leader's doorbell (a board word), deciding rings every
 member's; an idle lane thread sleeps on its own (``FUTEX_WAIT``, in slices: a lost wakeup costs
@@ -57,6 +58,7 @@ from hora._util.log import get_logger
 from hora.config import Config
 from hora.core.data.executor import Executor
 from hora.core.data.routing import Route
+from hora.core.lane.engine_side import EngineSide
 from hora.core.lane.lane_cache import MAX_BYTES, SlotCache
 from hora.core.lane.lane_leader import Leader
 from hora.core.op.entry import Entry
@@ -103,22 +105,22 @@ class FastLane:
         set_id: the process set.
         route: the set's route (its ``lane_group`` carries the lane).
         config: fusion threshold, cache capacity, stall time.
-        requeue: hands an op to the negotiated path (the engine's queue); called in log order.
-        failed: called once, from the lane's thread, when a lane collective fails.
+        executor: the lane's own (:meth:`~hora.core.lane.lanes.Lanes.lane_executor`); it is
+            pointed at the lane's route and used only by the thread driving the lane.
+        engine: the negotiated path: ops handed back, a failure, a blocked flush.
         start: allreduces and allgathers this rank submitted on the set before the lane
             existed; the log begins with that many misses.
     """
 
     def __init__(self, set_id: int, route: Route, config: Config, executor: Executor,
-                 requeue: Callable[[Entry], None], failed: Callable[[BaseException], None], *,
-                 start: int = 0) -> None:
+                 engine: EngineSide, *, start: int = 0) -> None:
         lane_route = route.lane_route()
         if lane_route is None or route.lane_group is None:
             raise ValueError("the route has no lane group")
         fabric = route.lane_group.fabric
         self.set_id, self._fabric, self._executor = set_id, fabric, executor
         executor.adopt_route(set_id, lane_route)
-        self._requeue, self._failed = requeue, failed
+        self._engine = engine
         self.size, self.rank = fabric.size, fabric.rank
         self._boards = LaneBoards(fabric)
         # slots: written on the engine thread, read by submitters and the driving thread
@@ -139,9 +141,6 @@ class FastLane:
         self._floor = 0  # a lower bound of every member's consumed position
         self._closed = False  # this rank appends no more (join, full, stop)
         self._off = False  # an OFF decision was applied: everything is negotiated
-        # Told True when a flush has waited BLOCKED_AFTER_S, False when it ends (the engine
-        # reports the rank blocked in the lane, for deadlock detection).
-        self.on_flush_blocked: Callable[[bool], None] | None = None
         self._error: BaseException | None = None
         # driving (one driver at a time: the lane thread or a waiting user thread)
         self._drive_lock = threading.Lock()
@@ -174,10 +173,10 @@ class FastLane:
         self._cache.limit = min(max(0, fusion_threshold), MAX_BYTES)
 
     # ---- submission (user threads) -----------------------------------------------------------
-    def submit(self, entries: list[Entry]) -> bool:
+    def offer(self, entries: list[Entry]) -> bool:
         """Log a unit: one op, or the members of one grouped call, all of one kind in
-        :data:`KINDS`. True if the lane runs all of them, False if every one must be
-        negotiated."""
+        :data:`KINDS` (a user thread). True if the lane took all of them (each handle's
+        ``runner`` is then this lane's drive loop), False if every one must be negotiated."""
         n = len(entries)
         gather = entries[0].request.kind is OpKind.ALLGATHER
         if self._count + n - self._floor > LOG_CAPACITY:  # (a stale floor over-counts)
@@ -209,7 +208,7 @@ class FastLane:
                 drive = self._drive
                 for i, entry in enumerate(entries):
                     self._entries[count + i] = entry
-                    entry.handle.driver = drive
+                    entry.handle.runner = drive
             hit = slots is not None
             # A caller that waits at once runs its ops: rings go to it, not to the lane thread
             # (two thread hand-offs saved).
@@ -247,7 +246,7 @@ class FastLane:
 
     def _wait_lane(self, done: Callable[[], bool], limit: float | None) -> None:
         """Drive the lane until ``done()`` (or for ``limit`` seconds). A wait of
-        ``BLOCKED_AFTER_S`` reports this rank blocked in the lane (:attr:`on_flush_blocked`):
+        ``BLOCKED_AFTER_S`` reports this rank blocked in the lane (``EngineSide.flush_blocked``):
         members that never log what it waits for are a deadlock, which the coordinator resolves
         by closing the lane (else the position is decided OFF after the stall time)."""
         reported = False
@@ -260,17 +259,17 @@ class FastLane:
                     return
                 step = min(end - now, math.inf if reported else BLOCKED_AFTER_S)
                 self._drive(done, None if step == math.inf else step)
-                if not reported and not done() and time.monotonic() >= start + BLOCKED_AFTER_S \
-                        and self.on_flush_blocked is not None:
-                    self.on_flush_blocked(True)
+                if not reported and not done() and time.monotonic() >= start + BLOCKED_AFTER_S:
+                    self._engine.flush_blocked(self.set_id, True)
                     reported = True
         finally:
-            if reported and self.on_flush_blocked is not None:
-                self.on_flush_blocked(False)
+            if reported:
+                self._engine.flush_blocked(self.set_id, False)
 
     # ---- driving -----------------------------------------------------------------------------
     def _drive(self, until: Callable[[], bool], timeout: float | None) -> None:
-        """Run the lane on the calling thread (a waiter) until ``until()`` or ``timeout``."""
+        """Run the lane on the calling thread (a waiter: this is its ops' ``Handle.runner``)
+        until ``until()`` or ``timeout``: decide (the leader), apply decisions, run batches."""
         end = None if timeout is None else time.monotonic() + timeout
         if not self._drive_lock.acquire(timeout=-1 if timeout is None else timeout):
             return
@@ -339,11 +338,14 @@ class FastLane:
                 self._run_batch(self._consumed, length)
                 self._consumed += length
             elif kind == DIVERGED:
+                handed: list[Entry] = []
                 for position in range(self._consumed, self._consumed + length):
                     entry = self._entries.pop(position, None)
                     if entry is not None:
-                        entry.handle.driver = None
-                        self._requeue(entry)
+                        entry.handle.runner = None
+                        handed.append(entry)
+                if handed:
+                    self._engine.requeue(handed)
                 self._consumed += length
             else:
                 self._go_off()
@@ -380,14 +382,14 @@ class FastLane:
 
     def _go_off(self) -> None:
         with self._append_lock:
-            self._off = True
-            self._closed = True
-            leftovers = sorted(self._entries.items())
+            self._off = self._closed = True
+            leftovers = [entry for _, entry in sorted(self._entries.items())]
             self._entries.clear()
             self._consumed = self._count
-        for _, entry in leftovers:
-            entry.handle.driver = None
-            self._requeue(entry)
+        for entry in leftovers:
+            entry.handle.runner = None
+        if leftovers:
+            self._engine.requeue(leftovers)
         log.debug("fast lane of process set %d is off: every op is negotiated", self.set_id)
 
     # ---- shutdown and failure ----------------------------------------------------------------
@@ -397,7 +399,7 @@ class FastLane:
         error = exc if isinstance(exc, HoraError) else HoraInternalError(
             f"fast lane failed: {exc!r}")
         self.abort(error, fail_ops=False)  # the ops wait for the job's error: the engine aborts
-        self._failed(error)  # the job, then calls abort() with that error
+        self._engine.lane_failed(error)  # the job, then calls abort() with that error
 
     def abort(self, error: BaseException, settle: float = 0.0, fail_ops: bool = True) -> None:
         """Close the lane, send its drivers away, and fail every op still in it with ``error``

@@ -4,8 +4,10 @@ A lane (:mod:`hora.core.lane.fastlane`) opens on every member of a set at the se
 allreduce or allgather on a shared-memory route; it closes for ``join`` and
 ``remove_process_set`` (after flushing what this rank logged) and when rank 0 asks (a suspected
 deadlock); a completed ``join`` reopens it with the same slots. The engine owns one
-:class:`Lanes` and calls it from its user side (:meth:`Lanes.take`, :meth:`Lanes.before_join`)
-and from its thread (the rest).
+:class:`Lanes` and calls it from user threads (:meth:`Lanes.offer`, :meth:`Lanes.before_join`)
+and from its thread (the rest); each lane talks back to the engine through one
+:class:`~hora.core.lane.engine_side.EngineSide` (which thread calls what:
+:mod:`hora.core.lane.engine_side`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from hora._util.log import get_logger
 from hora.config import Config
 from hora.core.data.executor import Executor
 from hora.core.data.routing import Route
+from hora.core.lane.engine_side import EngineSide
 from hora.core.lane.fastlane import FastLane
 from hora.core.op.entry import Entry
 from hora.core.op.messages import OpKind, Response
@@ -35,39 +38,40 @@ class Lanes:
     """The fast lanes of one rank, by process set.
 
     Args:
-        requeue: hands an op the lane gives back to the negotiated path.
-        failed: told when a lane collective fails (the engine aborts the job).
-        watch_flush: ``(set_id, blocked)``: a join waits for the set's lane log to drain.
+        transport: its global data plane (a lane's executor is built over it, then adopts the
+            lane's own route).
+        registry: the process sets.
+        config: cache capacity, fusion threshold, stall time (autotune: :meth:`retune`).
+        job_id: names a reopened lane's shared memory.
+        engine: what every lane may ask of the engine (:class:`EngineSide`: hand ops back,
+            report a failure, report a blocked flush).
     """
 
-    def __init__(self, transport: Transport, registry: Registry, config: Config,
-                 hostnames: list[str] | None, job_id: str,
-                 requeue: Callable[[Entry], None], failed: Callable[[BaseException], None],
-                 watch_flush: Callable[[int, bool], None]) -> None:
+    def __init__(self, transport: Transport, registry: Registry, config: Config, job_id: str,
+                 engine: EngineSide) -> None:
         self._transport = transport
         self._registry = registry
         self._config = config
-        self._hostnames = hostnames
         self._job_id = job_id
-        self._requeue = requeue
-        self._failed = failed
-        self._watch_flush = watch_flush
+        self._engine = engine
         # set -> its lane; the submit path reads it without the lock: a lane replaced meanwhile
         # is closed and refuses the ops (which then go to the negotiated path)
         self.by_set: dict[int, FastLane] = {}
         self._lock = threading.Lock()  # orders allreduce submissions and lane creation
         self._positions: dict[int, int] = {}  # set -> lane ops submitted (log positions)
         self._joining: set[int] = set()  # sets this rank joined (until every member has)
-        # rank 0 with autotune on: sees every op its lanes run (hora.core.autotune.autotune)
+        # rank 0 with autotune on: sees every op its lanes run (hora.core.autotune.autotune's
+        # Observed; lanes opened later get it too)
         self.observe: Callable[[Response], None] | None = None
 
     def get(self, set_id: int) -> FastLane | None:
         return self.by_set.get(set_id)
 
     # ---- user threads ------------------------------------------------------------------------
-    def take(self, entries: list[Entry]) -> bool:
+    def offer(self, entries: list[Entry]) -> bool:
         """A unit of ops of a kind in :data:`~hora.core.lane.fastlane.KINDS` was submitted (one op,
-        or a grouped call's members): True if the set's lane runs it (no negotiation).
+        or a grouped call's members): True if the set's lane took it (it runs there, no
+        negotiation), False if the caller must negotiate it (no lane, or the lane refused it).
 
         While the set has a lane, the engine submits to it directly (:attr:`by_set`): the
         count of positions only matters for a lane opened later, and once a set had a lane it
@@ -78,7 +82,7 @@ class Lanes:
             lane = self.by_set.get(set_id)
         # (not under the lock: submit may wait for room in the log, and the engine thread takes
         # the lock to open a lane; a lane replaced meanwhile is closed, so it refuses the ops)
-        return lane is not None and lane.submit(entries)
+        return lane is not None and lane.offer(entries)
 
     def before_join(self, kind: OpKind, set_id: int) -> None:
         """A ``join`` (of ``set_id``) or ``remove_process_set`` (of set ``set_id``) is about to
@@ -93,9 +97,11 @@ class Lanes:
             lane.flush()
 
     # ---- engine thread -----------------------------------------------------------------------
-    def on_negotiated(self, route: Route, resp: Response) -> None:
-        """Before a negotiated allreduce or allgather runs: open the set's lane if it has none,
-        learn it."""
+    def learn(self, route: Route, resp: Response) -> None:
+        """Before a negotiated allreduce or allgather of a set this rank is in runs (``route``:
+        the set's): open the set's lane if it has none and the route has a lane group, then the
+        lane learns the response's slots. Every lane learns here and only here (a lane reopened
+        after ``join`` adopts its predecessor's slots)."""
         lane = self.by_set.get(resp.set_id)
         if lane is None and route.lane_group is not None:
             with self._lock:  # lane ops submitted before now were not logged: the lane counts
@@ -110,15 +116,19 @@ class Lanes:
         if lane is not None:
             lane.learn(resp)
 
+    def lane_executor(self) -> Executor:
+        """The factory of a lane's own executor (engine thread, as a lane opens): over the
+        global comm, without a timeline (a lane exists only without one), seeing what
+        autotune's :attr:`observe` wants; the lane then points it at its own route. Only the
+        thread driving that lane uses it."""
+        executor = Executor(self._transport.comm(), self._registry, self._config)
+        executor.observe = self.observe
+        return executor
+
     def _new(self, set_id: int, route: Route, start: int) -> FastLane:
         """A lane over ``route.lane_group`` with its own executor (not started)."""
-        executor = Executor(self._transport.comm(), self._registry, self._config,
-                            hostnames=self._hostnames, job_id=self._job_id)
-        executor.observe = self.observe
-        lane = FastLane(set_id, route, self._config, executor, self._requeue, self._failed,
+        return FastLane(set_id, route, self._config, self.lane_executor(), self._engine,
                         start=start)
-        lane.on_flush_blocked = lambda blocked: self._watch_flush(set_id, blocked)
-        return lane
 
     def retune(self, config: Config) -> None:
         """Autotune: every lane's leader fuses up to ``config``'s fusion threshold from its

@@ -17,9 +17,15 @@ from hora.errors import HoraInternalError, HoraTimeoutError
 BLOCKED_AFTER_S = 0.25
 """A wait this long makes the waiting rank count as blocked in the op (deadlock detection)."""
 
-Driver = Callable[[Callable[[], bool], float | None], None]
-"""A fast lane's ``drive(until, timeout)``: runs the lane on the calling thread until
-``until()`` is true or ``timeout`` seconds passed."""
+LaneRunner = Callable[[Callable[[], bool], float | None], None]
+"""A fast lane's drive loop, ``run(until, timeout)``: runs the lane (decides, applies decisions,
+runs the collectives) on the calling thread until ``until()`` is true or ``timeout`` seconds
+passed."""
+
+WaitReporter = Callable[["Handle", bool], None]
+"""The engine's report of a long wait: ``report(handle, True)`` once a wait on ``handle`` has
+lasted :data:`BLOCKED_AFTER_S`, ``report(handle, False)`` when that wait ends (deadlock
+detection)."""
 
 
 class Handle:
@@ -27,10 +33,15 @@ class Handle:
 
     ``wait()`` returns the op's output (an array, or a tuple for alltoall) or raises the
     :class:`~hora.errors.HoraInternalError` subclass that failed it.
+
+    Which thread runs the op: while it is in a fast lane, :attr:`runner` is the lane's drive
+    loop and ``wait()`` runs the lane (and so the op) on the waiting thread; otherwise the
+    engine thread (a negotiated op) or the lane's thread (a lane op nobody waits for yet) runs
+    it and completes the handle, and ``wait()`` sleeps on the handle's gate.
     """
 
-    __slots__ = ("_callbacks", "_done", "_early", "_error", "_gate", "_lock", "_result", "driver",
-                 "name", "release", "set_id", "watch")
+    __slots__ = ("_callbacks", "_done", "_early", "_error", "_gate", "_lock", "_result", "name",
+                 "release", "report_wait", "runner", "set_id")
 
     def __init__(self, name: str, set_id: int = 0) -> None:
         self.name = name
@@ -43,14 +54,15 @@ class Handle:
         self._callbacks: list[Callable[[Handle], None]] = []
         self._early: list[Callable[[Handle], None]] = []
         self._lock = threading.Lock()
-        # Set while the op is in the fast lane: wait() lends the calling thread to run it.
-        self.driver: Driver | None = None
+        # The lane's drive loop while the op is in a fast lane (set and cleared by the lane):
+        # wait() lends the calling thread to run it. None: the op is not in a lane.
+        self.runner: LaneRunner | None = None
         # The engine's: frees the op's name when it completes, before any waiter wakes (so a
         # loop may reuse the name at once); must not wait on the handle.
         self.release: Callable[[Handle], None] | None = None
-        # Told True when a wait has lasted BLOCKED_AFTER_S, False when that wait ends: the
-        # engine reports blocked ranks to the coordinator, which detects certain deadlocks.
-        self.watch: Callable[[Handle, bool], None] | None = None
+        # The engine's (WaitReporter): told True when a wait has lasted BLOCKED_AFTER_S, False
+        # when that wait ends; it reports blocked ranks to rank 0's deadlock detector.
+        self.report_wait: WaitReporter | None = None
 
     def done(self) -> bool:
         """True once the op has finished (successfully or not)."""
@@ -73,18 +85,18 @@ class Handle:
             HoraInternalError: the op failed (mismatch, lost peer, deadlock, shutdown).
         """
         if not self._done:
-            watch = self.watch
-            if watch is None or (timeout is not None and timeout <= BLOCKED_AFTER_S):
+            report = self.report_wait
+            if report is None or (timeout is not None and timeout <= BLOCKED_AFTER_S):
                 finished = self._wait_done(timeout)
             elif self._wait_done(BLOCKED_AFTER_S):
                 finished = True
             else:
-                watch(self, True)
+                report(self, True)
                 try:
                     finished = self._wait_done(None if timeout is None
                                                else timeout - BLOCKED_AFTER_S)
                 finally:
-                    watch(self, False)
+                    report(self, False)
             if not finished:
                 raise HoraTimeoutError(
                     f"op '{self.name}' did not finish within {timeout} s; it is still pending. "
@@ -94,24 +106,24 @@ class Handle:
             raise self._error
         return self._result
 
-    def lane_driver(self) -> Driver | None:
+    def lane_runner(self) -> LaneRunner | None:
         """What runs this op on a waiting thread while it is in a fast lane (None: not in one)."""
-        return self.driver
+        return self.runner
 
     def _driven(self) -> bool:
         """A waiter driving the lane may stop: the op finished or left the lane."""
-        return self._done or self.driver is None
+        return self._done or self.runner is None
 
     def _wait_done(self, timeout: float | None) -> bool:
         """Wait up to ``timeout`` (None: no limit); True once done. Runs the op on this thread
         while it is in the fast lane."""
-        driver = self.driver
-        if driver is None:
-            driver = self.lane_driver()  # (a group's: its members' lane)
+        runner = self.runner
+        if runner is None:
+            runner = self.lane_runner()  # (a group's: its members' lane)
         left = timeout
-        if driver is not None and not self._done:
+        if runner is not None and not self._done:
             start = time.monotonic()
-            driver(self._driven, timeout)
+            runner(self._driven, timeout)
             if timeout is not None:
                 left = max(0.0, timeout - (time.monotonic() - start))
         return self._done or self._pass_gate(left)
@@ -148,7 +160,7 @@ class Handle:
                 self.release(self)
             for fn in self._early:
                 fn(self)
-            self.watch = None  # (a waiter keeps its own reference to report the end)
+            self.report_wait = None  # (a waiter keeps its own reference to report the end)
             self._done = True
             self._gate.release()
             callbacks, self._callbacks = self._callbacks, []
@@ -250,55 +262,55 @@ class GroupHandle(Handle):
         self._members = members
         self._remaining = len(members)
         self._count_lock = threading.Lock()  # members may complete on different threads
-        self._reported: list[tuple[Callable[[Handle, bool], None], Handle]] = []
+        self._reported: list[tuple[WaitReporter, Handle]] = []
         if not members:
             self.set_result([])
             return
-        self.watch = self._watch_members
+        self.report_wait = self._report_members
         for m in members:
             m.add_done_callback(self._member_done)
 
     def _driven(self) -> bool:
-        return self._done or self.lane_driver() is None
+        return self._done or self.lane_runner() is None
 
-    def lane_driver(self) -> Driver | None:
+    def lane_runner(self) -> LaneRunner | None:
         for m in self._members:
-            driver = m.driver
-            if driver is not None and not m.done():
-                return driver  # (one lane per set: any member's driver is the set's)
+            runner = m.runner
+            if runner is not None and not m.done():
+                return runner  # (one lane per set: any member's runner is the set's)
         return None
 
     def _member_done(self, member: Handle) -> None:
-        moved: list[tuple[Callable[[Handle, bool], None], Handle, bool]] = []
+        moved: list[tuple[WaitReporter, Handle, bool]] = []
         with self._count_lock:
             self._remaining -= 1
             last = self._remaining == 0
             if not last and self._reported and self._reported[-1][1] is member:
                 # a wait goes on: from now it is a wait on the next unfinished member
-                member_watch, _ = self._reported.pop()
-                moved.append((member_watch, member, False))
+                member_report, _ = self._reported.pop()
+                moved.append((member_report, member, False))
                 following = self._first_unfinished()
                 if following is not None:
                     self._reported.append(following)
                     moved.append((*following, True))
-        for watch, m, blocked in moved:
-            watch(m, blocked)
+        for report, m, blocked in moved:
+            report(m, blocked)
         if last:
             try:
                 self.set_result([m.wait(0) for m in self._members])
             except BaseException as exc:  # noqa: BLE001 - propagate the first failure
                 self.set_error(exc)
 
-    def _first_unfinished(self) -> tuple[Callable[[Handle, bool], None], Handle] | None:
+    def _first_unfinished(self) -> tuple[WaitReporter, Handle] | None:
         for m in self._members:
-            member_watch = m.watch
-            if not m.done() and member_watch is not None:
-                return member_watch, m
+            member_report = m.report_wait
+            if not m.done() and member_report is not None:
+                return member_report, m
         return None
 
-    def _watch_members(self, _group: Handle, blocked: bool) -> None:
+    def _report_members(self, _group: Handle, blocked: bool) -> None:
         """A wait on the group is a wait on its first unfinished member (and on the next one
-        when that member completes first); the member's own watch is kept, since a finished
+        when that member completes first); the member's own reporter is kept, since a finished
         member's handle drops it."""
         with self._count_lock:
             if blocked:
@@ -311,5 +323,5 @@ class GroupHandle(Handle):
             report[0](report[1], blocked)
 
 
-__all__ = ["DerivedHandle", "Driver", "GroupHandle", "Handle", "HandleTable",
-           "HoraInternalError"]
+__all__ = ["DerivedHandle", "GroupHandle", "Handle", "HandleTable", "HoraInternalError",
+           "LaneRunner", "WaitReporter"]
