@@ -58,6 +58,7 @@ from hora.torch.ops import (
     sparse_allreduce_async,
 )
 from hora.torch.optimizer import DistributedOptimizer
+from hora.torch.sharded import ShardedOptimizer  # hora-only: ZeRO-style sharded state
 from hora.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
@@ -70,4 +71,5 @@ __all__ = [
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
     "grouped_reducescatter_async", "join", "poll", "reducescatter", "reducescatter_async",
     "sparse_allreduce_async", "synchronize", "elastic",
+    "ShardedOptimizer",
 ]

@@ -1,0 +1,167 @@
+"""Shard planning for the sharded (ZeRO-style) optimizers of every adapter (hora-only).
+
+A sharded optimizer keeps the optimizer state of each trainable parameter on one member of the
+process set only (its *owner*). Each step, the gradients are reduce-scattered so that every
+owner receives the averaged gradients of its parameters, each member steps the wrapped
+optimizer on the parameters it owns, and the new values (or updates) are allgathered. The
+decisions that are not framework-specific live here, once for torch, JAX and Keras:
+
+* :func:`plan` assigns parameters (the unit: one parameter is never split) to shards, balanced
+  by bytes (largest first, each to the least-loaded shard; deterministic, so every member
+  computes the same plan from the same shapes);
+* :func:`layout` places the parameters of each bucket (one per dtype, or any key the adapter
+  chooses) in a ``[size, width]`` buffer: row ``s`` holds shard ``s``'s parameters end to end,
+  zero-padded to the widest row. A reduce-scatter of that buffer gives member ``s`` row ``s``
+  (Horovod's reducescatter splits dimension 0 evenly), and an allgather of each member's
+  ``[1, width]`` row rebuilds it: the same bytes on the wire as one allreduce, plus padding;
+* :func:`merge_states` / :func:`select_states` map between the full optimizer state (one entry
+  per parameter index, as in a checkpoint) and a member's shard, so a checkpoint written at one
+  size loads at another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+V = TypeVar("V")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which shard owns each parameter.
+
+    Attributes:
+        size: number of shards (the process set's size).
+        owner: ``owner[i]`` is the shard (set rank) that owns parameter ``i``.
+        nbytes: the bytes of each parameter, as planned.
+    """
+
+    size: int
+    owner: tuple[int, ...]
+    nbytes: tuple[int, ...]
+
+    def owned(self, shard: int) -> list[int]:
+        """Indices of the parameters ``shard`` owns, in parameter order."""
+        return [i for i, s in enumerate(self.owner) if s == shard]
+
+    def loads(self) -> list[int]:
+        """Bytes owned by each shard."""
+        out = [0] * self.size
+        for i, s in enumerate(self.owner):
+            out[s] += self.nbytes[i]
+        return out
+
+    def imbalance(self) -> float:
+        """The largest shard's bytes over the ideal ``total / size`` (1.0 is perfect)."""
+        total = sum(self.nbytes)
+        return max(self.loads()) * self.size / total if total else 1.0
+
+
+def plan(nbytes: Sequence[int], size: int) -> Plan:
+    """Assign parameters of ``nbytes`` bytes to ``size`` shards, balanced by bytes.
+
+    Largest parameter first (ties: lower index first), each to the shard with the fewest bytes
+    so far (ties: lower shard). A parameter is never split, so one parameter larger than
+    ``total / size`` makes its owner hold more than its share.
+
+    Raises:
+        ValueError: ``size`` < 1 or a negative size.
+    """
+    if size < 1:
+        raise ValueError(f"a shard plan needs size >= 1, got {size}")
+    if any(n < 0 for n in nbytes):
+        raise ValueError("parameter sizes must be >= 0 bytes")
+    owner = [0] * len(nbytes)
+    loads = [0] * size
+    for i in sorted(range(len(nbytes)), key=lambda i: (-nbytes[i], i)):
+        target = min(range(size), key=lambda s: (loads[s], s))
+        owner[i] = target
+        loads[target] += nbytes[i]
+    return Plan(size, tuple(owner), tuple(int(n) for n in nbytes))
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where parameter ``index`` sits in its bucket: row ``shard``, elements
+    ``[offset, offset + numel)``."""
+
+    index: int
+    shard: int
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One ``[size, width]`` buffer: every parameter whose bucket key is ``key``."""
+
+    key: Hashable
+    width: int
+    slots: tuple[Slot, ...] = field(default=())
+
+    def row(self, shard: int) -> list[Slot]:
+        """The slots of row ``shard`` (the parameters that shard owns in this bucket)."""
+        return [s for s in self.slots if s.shard == shard]
+
+
+def layout(the_plan: Plan, numels: Sequence[int], keys: Sequence[Hashable]) -> list[Bucket]:
+    """Place every parameter in the bucket of its key (in order of first appearance): in its
+    owner's row, after the earlier parameters of that row; the width is the longest row (at
+    least 1 element, so every collective has a non-empty tensor)."""
+    order: dict[Hashable, list[int]] = {}
+    for i, key in enumerate(keys):
+        order.setdefault(key, []).append(i)
+    buckets = []
+    for key, members in order.items():
+        fill = [0] * the_plan.size
+        slots = []
+        for i in members:
+            s = the_plan.owner[i]
+            slots.append(Slot(i, s, fill[s], int(numels[i])))
+            fill[s] += int(numels[i])
+        buckets.append(Bucket(key, max(max(fill), 1), tuple(slots)))
+    return buckets
+
+
+def padding_ratio(buckets: Iterable[Bucket], size: int) -> float:
+    """Elements moved (``size * width`` per bucket) over the parameters' elements."""
+    buckets = list(buckets)
+    moved = sum(size * b.width for b in buckets)
+    real = sum(s.numel for b in buckets for s in b.slots)
+    return moved / real if real else 1.0
+
+
+def shard_of(ranks: Sequence[int], rank: int) -> int | None:
+    """This process's shard: its position in the set's ``ranks`` (None if not a member)."""
+    try:
+        return list(ranks).index(rank)
+    except ValueError:
+        return None
+
+
+def merge_states(parts: Iterable[Mapping[int, V]]) -> dict[int, V]:
+    """The full state (parameter index -> state) from every member's shard, in index order.
+
+    Raises:
+        ValueError: two members hold state for the same parameter.
+    """
+    out: dict[int, V] = {}
+    for part in parts:
+        for index, value in part.items():
+            if index in out:
+                raise ValueError(f"two shards hold optimizer state for parameter {index}")
+            out[int(index)] = value
+    return dict(sorted(out.items()))
+
+
+def select_states(full: Mapping[Any, V], owned: Iterable[int]) -> dict[Any, V]:
+    """The entries of ``full`` (keyed by parameter index, int or str) for the ``owned``
+    parameters: a member's shard of a full state written at any size."""
+    wanted = set(owned)
+    return {k: v for k, v in full.items() if int(k) in wanted}
+
+
+__all__ = ["Bucket", "Plan", "Slot", "layout", "merge_states", "padding_ratio", "plan",
+           "select_states", "shard_of"]

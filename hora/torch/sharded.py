@@ -1,0 +1,407 @@
+"""``ShardedOptimizer`` (hora-only): ZeRO-style sharded optimizer state behind Horovod's
+``DistributedOptimizer`` API.
+
+As :func:`hora.torch.DistributedOptimizer` does, :func:`ShardedOptimizer` builds a runtime
+subclass of the wrapped optimizer's class (``isinstance(opt, torch.optim.Adam)`` holds) sharing
+its param groups. Each trainable parameter is owned by one member of the process set (the plan
+of :mod:`hora.core.frontend.sharding`, balanced by bytes). ``step()``:
+
+1. packs the gradients into one ``[size, width]`` buffer per dtype (row ``s``: the gradients of
+   the parameters shard ``s`` owns) and reduce-scatters it (``op``, predivide factor and
+   compression as ``DistributedOptimizer``): every member receives the averaged gradients of
+   its own parameters, written into their ``.grad``;
+2. runs the wrapped optimizer's step on the parameters this rank owns only, so ``opt.state``
+   holds this rank's shard (about ``1/size`` of the unsharded state's bytes);
+3. allgathers the owners' new parameter values into every rank's parameters.
+
+``state_dict()`` is collective (every member calls it) and returns the full state, in the
+wrapped optimizer's own format (loadable by the unwrapped optimizer, at any size);
+``load_state_dict(full)`` keeps this rank's shard of a full state written at any size.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+import hora
+from hora._util.log import get_logger
+from hora.collectives.ops import ReduceOp
+from hora.core.frontend import distopt, sharding
+from hora.core.frontend import objects as _objects
+from hora.core.op.process_set import ProcessSet, global_process_set
+from hora.torch import ops
+from hora.torch.compression import Compression, Compressor
+from hora.torch.elastic import state as _elastic_state
+from hora.torch.elastic._snapshot import snapshot, thawed
+from hora.torch.wrapping import init_wrapped
+
+log = get_logger(__name__)
+
+_TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before "
+                    "call to step(). Increase backward_passes_per_step to accumulate gradients "
+                    "locally.")
+_STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                    "consider using optimizer.skip_synchronize() context if you use "
+                    "optimizer.synchronize() in your code.")
+
+
+class _ShardedMarker:
+    """Base of every runtime ``ShardedOptimizer`` class (``isinstance`` finds them: the elastic
+    state handler registry keys on it)."""
+
+
+class _ShardedOptimizer(torch.optim.Optimizer):
+    """Methods mixed into the runtime subclass of the wrapped optimizer's class."""
+
+    _hora_sharded = True
+    _hora_base: Any = torch.optim.Optimizer
+
+    def __init__(self, params: Any, named_parameters: Iterable[Any] | None,
+                 compression: type[Compressor], backward_passes_per_step: int, op: int,
+                 gradient_predivide_factor: float, process_set: ProcessSet,
+                 base_kwargs: dict[str, Any], state: dict[Any, Any]) -> None:
+        init_wrapped(self, params, base_kwargs, state)
+        self._compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = ReduceOp(op)
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.process_set = process_set
+        self._parameter_names: dict[torch.Tensor, str] = distopt.parameter_names(
+            [group["params"] for group in self.param_groups], named_parameters)
+        self._passes: dict[torch.Tensor, int] = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        self._plan_key: Any = None
+        self._plan: sharding.Plan | None = None
+        self._buckets: list[sharding.Bucket] = []
+        self._trainable: list[torch.Tensor] = []
+        self._owned: set[torch.Tensor] = set()
+        self._shard: int | None = None
+        self._hook_handles: list[Any] = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    self._hook_handles.append(
+                        p.register_post_accumulate_grad_hook(self._count_pass))
+        self._replan()
+
+    # ---- the plan ------------------------------------------------------------------------------
+    def _membership(self) -> tuple[Any, ...]:
+        ranks = tuple(self.process_set.ranks) if self.process_set.ranks else (0,)
+        count = sum(len(g["params"]) for g in self.param_groups)
+        return ranks, hora.rank() if hora.is_initialized() else 0, count
+
+    def _replan(self) -> None:
+        """(Re)compute the plan for the current members and parameters; drop the state of the
+        parameters this rank no longer owns."""
+        key = self._membership()
+        if key == self._plan_key:
+            return
+        ranks, rank, _ = key
+        self._trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        self._shard = sharding.shard_of(ranks, rank)
+        size = len(ranks) if self._shard is not None else 1
+        self._plan = sharding.plan([p.numel() * p.element_size() for p in self._trainable],
+                                   size)
+        self._buckets = sharding.layout(
+            self._plan, [p.numel() for p in self._trainable],
+            [(str(p.dtype), str(p.device)) for p in self._trainable])
+        mine = self._shard if self._shard is not None else 0
+        self._owned = {self._trainable[i] for i in self._plan.owned(mine)}
+        for p in list(self.state):
+            if p not in self._owned:
+                del self.state[p]
+        self._plan_key = key
+        log.debug("ShardedOptimizer(%s): %d parameters in %d shards, imbalance %.3f, "
+                  "padding %.3f", self._hora_base.__name__, len(self._trainable), size,
+                  self._plan.imbalance(), sharding.padding_ratio(self._buckets, size))
+
+    @property
+    def _sharded(self) -> bool:
+        return self._shard is not None and self._plan is not None and self._plan.size > 1
+
+    def owned_parameters(self) -> list[torch.Tensor]:
+        """The parameters whose optimizer state lives on this rank (hora-only)."""
+        self._replan()
+        return [p for p in self._trainable if p in self._owned]
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    def _count_pass(self, p: torch.Tensor) -> None:
+        n = self._passes.get(p, 0) + 1
+        if n > self.backward_passes_per_step:
+            raise AssertionError(_TOO_MANY_PASSES)
+        self._passes[p] = n
+
+    # ---- collectives ---------------------------------------------------------------------------
+    def _reduce_scatter(self) -> None:
+        """Average every gradient into its owner's ``.grad`` (others keep their local one)."""
+        self._passes.clear()
+        assert self._plan is not None
+        size, me = self._plan.size, self._shard
+        assert me is not None
+        pre, post = distopt.scale_factors(self.op, self.gradient_predivide_factor)
+        buffers, ctxs = [], []
+        for bucket in self._buckets:
+            first = self._trainable[bucket.slots[0].index]
+            buf = torch.zeros((size, bucket.width), dtype=first.dtype, device=first.device)
+            for slot in bucket.slots:
+                grad = self._trainable[slot.index].grad
+                if grad is not None:
+                    dense = grad.to_dense() if grad.is_sparse else grad
+                    buf[slot.shard, slot.offset:slot.offset + slot.numel].copy_(dense.reshape(-1))
+            compressed, ctx = self._compression.compress(buf)
+            buffers.append(compressed)
+            ctxs.append(ctx)
+        handle = ops.grouped_reducescatter_async(buffers, name="sharded_optimizer.grads",
+                                                 op=self.op, prescale_factor=pre,
+                                                 postscale_factor=post,
+                                                 process_set=self.process_set)
+        outputs = ops.synchronize(handle)
+        for bucket, out, ctx in zip(self._buckets, outputs, ctxs):
+            row = self._compression.decompress(out, ctx).reshape(-1)
+            for slot in bucket.row(me):
+                p = self._trainable[slot.index]
+                value = row[slot.offset:slot.offset + slot.numel].view_as(p)
+                if p.grad is None or p.grad.is_sparse:
+                    p.grad = value.clone()
+                else:
+                    p.grad.copy_(value)
+
+    def _allgather_parameters(self) -> None:
+        assert self._plan is not None and self._shard is not None
+        me = self._shard
+        rows = []
+        for bucket in self._buckets:
+            first = self._trainable[bucket.slots[0].index]
+            row = torch.zeros((1, bucket.width), dtype=first.dtype, device=first.device)
+            for slot in bucket.row(me):
+                row[0, slot.offset:slot.offset + slot.numel].copy_(
+                    self._trainable[slot.index].detach().reshape(-1))
+            rows.append(row)
+        gathered = ops.synchronize(ops.grouped_allgather_async(
+            rows, name="sharded_optimizer.params", process_set=self.process_set))
+        with torch.no_grad():
+            for bucket, full in zip(self._buckets, gathered):
+                for slot in bucket.slots:
+                    if slot.shard != me:
+                        p = self._trainable[slot.index]
+                        p.copy_(full[slot.shard, slot.offset:slot.offset + slot.numel]
+                                .view_as(p))
+
+    def _agree_on_non_finite(self) -> None:
+        """After an explicit ``synchronize()``: if any member's averaged gradients hold inf/NaN,
+        every rank's gradients do (a NaN is written on the ranks that had none), so an AMP
+        ``GradScaler`` skips ``step()`` on every rank or on none."""
+        owned = [p.grad for p in self._trainable if p in self._owned and p.grad is not None]
+        bad = any(bool((~torch.isfinite(g)).any()) for g in owned)
+        flag = torch.tensor([1.0 if bad else 0.0])
+        flag = ops.synchronize(ops.allreduce_async(flag, name="sharded_optimizer.non_finite",
+                                                   op=ReduceOp.Max,
+                                                   process_set=self.process_set))
+        if float(flag[0]) > 0 and not bad:
+            for p in self._trainable:
+                if p.grad is not None and p.grad.numel() and not p.grad.is_sparse:
+                    p.grad.view(-1)[0] = float("nan")
+                    return
+
+    # ---- public API ----------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Reduce-scatter the gradients: each parameter's owner gets the average in ``.grad``
+        (the other ranks keep their local gradient). Collective. Use it, as with
+        ``DistributedOptimizer``, before gradient clipping (:meth:`clip_grad_norm_`) or AMP
+        unscaling, then ``step()`` inside :meth:`skip_synchronize`; if any member's averaged
+        gradients are not finite, every rank's are made so (AMP skips the step everywhere)."""
+        self._replan()
+        if self._sharded:
+            self._reduce_scatter()
+            self._agree_on_non_finite()
+        self._passes.clear()
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside this context ``step()`` does not reduce-scatter (after ``synchronize()``)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        """Reduce-scatter the gradients (unless inside ``skip_synchronize()``), step the wrapped
+        optimizer on this rank's parameters, allgather the parameters. Collective."""
+        self._replan()
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(_STEP_AFTER_SYNC, stacklevel=2)
+            if self._sharded:
+                self._reduce_scatter()
+            self._passes.clear()
+        self._synchronized = False
+        if not self._sharded:
+            return self._hora_base.step(self, closure)
+        saved = [g["params"] for g in self.param_groups]
+        try:
+            for g in self.param_groups:
+                g["params"] = [p for p in g["params"] if p in self._owned]
+            result = self._hora_base.step(self, closure)
+        finally:
+            for g, params in zip(self.param_groups, saved):
+                g["params"] = params
+        self._allgather_parameters()
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad(set_to_none)``."""
+        self._passes.clear()
+        self._hora_base.zero_grad(self, set_to_none)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the averaged gradients by their global norm (hora-only; after
+        ``synchronize()``): each rank's shard contributes to one allreduce of the norm, and each
+        owner scales its gradients. Returns the total norm (equal on every rank). Collective.
+        ``torch.nn.utils.clip_grad_norm_`` over the model would see only this rank's shard."""
+        self._replan()
+        grads = [p.grad for p in self._trainable if p in self._owned and p.grad is not None]
+        norm_type = float(norm_type)
+        if norm_type == float("inf"):
+            local = max((float(g.detach().abs().max()) for g in grads if g.numel()), default=0.0)
+            total_t = torch.tensor([local], dtype=torch.float64)
+            if self._sharded:
+                total_t = ops.synchronize(ops.allreduce_async(
+                    total_t, name="sharded_optimizer.norm", op=ReduceOp.Max,
+                    process_set=self.process_set))
+            total = float(total_t[0])
+        else:
+            local = sum(float(g.detach().double().abs().pow(norm_type).sum()) for g in grads)
+            total_t = torch.tensor([local], dtype=torch.float64)
+            if self._sharded:
+                total_t = ops.synchronize(ops.allreduce_async(
+                    total_t, name="sharded_optimizer.norm", op=ReduceOp.Sum,
+                    process_set=self.process_set))
+            total = float(total_t[0]) ** (1.0 / norm_type)
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            with torch.no_grad():
+                for g in grads:
+                    g.mul_(coef)
+        return torch.tensor(total)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full state (every member's shard), in the wrapped optimizer's format. Collective:
+        every member of the process set must call it (e.g. ``sd = opt.state_dict()`` on every
+        rank, then ``torch.save`` on rank 0)."""
+        self._replan()
+        local = self._hora_base.state_dict(self)
+        if not self._sharded:
+            return local
+        mine = dict(local["state"])
+        portable = {k: {n: (v.detach().cpu() if torch.is_tensor(v) else v)
+                        for n, v in s.items()} for k, s in mine.items()}
+        parts = _objects.allgather_object(portable, name="sharded_optimizer.state_dict",
+                                          process_set=self.process_set)
+        full = sharding.merge_states(
+            {k: v for k, v in part.items() if k not in mine} for part in parts)
+        full.update(mine)  # this rank's entries are its live tensors
+        return {"state": dict(sorted(full.items())), "param_groups": local["param_groups"]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full state (from :meth:`state_dict`, a plain optimizer or
+        ``DistributedOptimizer``, written at any size): keep this rank's shard."""
+        self._replan()
+        self._passes.clear()
+        self._synchronized = False
+        self._should_synchronize = True
+        if self._sharded:
+            assert self._plan is not None and self._shard is not None
+            index = {id(p): i for i, p in
+                     enumerate(p for g in self.param_groups for p in g["params"])}
+            owned = [index[id(p)] for p in self._trainable if p in self._owned]
+            state_dict = {**state_dict,
+                          "state": sharding.select_states(state_dict["state"], owned)}
+        self._hora_base.load_state_dict(self, state_dict)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes are accumulated locally before each step."""
+        self.backward_passes_per_step = passes
+        self._passes.clear()
+
+
+class ShardedOptimizerStateHandler(_elastic_state.StateHandler):
+    """Elastic state of a :func:`ShardedOptimizer` (``TorchState`` uses it). ``save`` (at
+    commit, collective) keeps the full state; ``restore`` loads it (no collective: this runs
+    after a failure); ``sync`` loads rank 0's saved full state on every rank, so a job that
+    changed size re-shards it for its new members."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(value)
+        self._saved: Any = None
+        self.save()
+
+    def save(self) -> None:
+        self._saved = snapshot(self.value.state_dict(), self._saved)
+
+    def restore(self) -> None:
+        self.value.load_state_dict(thawed(self._saved, None, True))
+
+    def sync(self) -> None:
+        full = _objects.broadcast_object(self._saved if hora.rank() == 0 else None, 0,
+                                         name="sharded_optimizer.sync")
+        self._saved = full
+        self.value.load_state_dict(thawed(full, None, True))
+
+
+def _register_handler() -> None:
+    registry = _elastic_state.get_handler_registry()
+    if not any(t is _ShardedMarker for t, _ in registry):
+        _elastic_state.set_handler_registry(
+            [(_ShardedMarker, ShardedOptimizerStateHandler), *registry])
+
+
+def ShardedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horovod-style name
+                     named_parameters: Iterable[Any] | None = None,
+                     compression: type[Compressor] = Compression.none,
+                     backward_passes_per_step: int = 1, op: int = ReduceOp.Average,
+                     gradient_predivide_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Wrap ``optimizer`` (hora-only): gradients averaged across the process set as
+    :func:`hora.torch.DistributedOptimizer` does, optimizer state sharded across its members.
+
+    Args:
+        optimizer: the optimizer to wrap; the result is an instance of its class. Any state it
+            already has for parameters other ranks own is dropped.
+        named_parameters: ``model.named_parameters()`` (checked as ``DistributedOptimizer``
+            checks them).
+        compression: ``Compression.none`` or ``Compression.fp16`` (gradients only).
+        backward_passes_per_step: backward passes accumulated locally before each ``step()``.
+        op: Average (default) or Sum.
+        gradient_predivide_factor: Average is done as ``1/f`` before and ``f/size`` after.
+        process_set: the ranks that average together and share the state; other ranks step
+            the whole optimizer locally.
+
+    Raises:
+        ValueError: an op other than Average / Sum, invalid options or ``named_parameters``.
+    """
+    distopt.check_options(op, gradient_predivide_factor, backward_passes_per_step, 0, None)
+    if ReduceOp(op) not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ValueError(f"ShardedOptimizer reduce-scatters gradients: op must be Average or "
+                         f"Sum, not {ReduceOp(op).name}")
+    _register_handler()
+    base = optimizer.__class__
+    namespace = dict(_ShardedOptimizer.__dict__)
+    namespace["_hora_base"] = base
+    cls = type(base.__name__, (base, _ShardedMarker), namespace)
+    from hora.torch.optimizer import _base_kwargs
+
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
+               op, gradient_predivide_factor, process_set, _base_kwargs(optimizer),
+               dict(optimizer.state))
+
+
+__all__ = ["ShardedOptimizer", "ShardedOptimizerStateHandler"]
