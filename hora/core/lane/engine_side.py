@@ -33,11 +33,12 @@ engine thread ``hora-engine``. A lane builds its own executor
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from hora.core.op.entry import Entry
 
 
+@runtime_checkable
 class EngineSide(Protocol):
     """What a fast lane may ask of the negotiated engine (implemented by
     :class:`~hora.core.engine.engine.Engine`). None of these may block or wait on a lane."""
