@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hora.core.frontend import spellings as _sp
+from hora.core.frontend import op_forms as _sp
 from hora.core.frontend.host_bridge import HostBridge
 from hora.jax import host_call
 
@@ -119,17 +119,19 @@ def eager_only(what: str, leaves: Sequence[Any]) -> None:
                         "form there.")
 
 
-def _callback(fn: HostFn, specs: Sequence[jax.ShapeDtypeStruct], xs: Sequence[Any],
-              pieces: Sequence[tuple[int, int]] | None = None,
-              inplace: bool = False) -> list[Any]:
+def _callback(fn: Callable[..., list[np.ndarray]], specs: Sequence[jax.ShapeDtypeStruct],
+              xs: Sequence[Any], pieces: Sequence[tuple[int, int]] | None = None,
+              inplace: bool = False, into: bool = False) -> list[Any]:
     """``fn`` as one host call of the traced program: :mod:`hora.jax.host_call` (an FFI custom
-    call, CPU) or ``jax.pure_callback``; ``pieces`` and ``inplace`` (FFI only) as in
-    :func:`hora.jax.host_call.call`."""
+    call, CPU) or ``jax.pure_callback``; ``pieces``, ``inplace`` (FFI only) and ``into`` as in
+    :func:`hora.jax.host_call.call` (through ``pure_callback``, an ``into`` function gets
+    ``None`` for its outputs and makes its own)."""
     if host_call.available():
-        return host_call.call(fn, specs, xs, pieces, inplace)
+        return host_call.call(fn, specs, xs, pieces, inplace, into)
 
     def host(*arrays: np.ndarray) -> list[np.ndarray]:
-        outs = fn([np.asarray(a) for a in arrays])
+        ins = [np.asarray(a) for a in arrays]
+        outs = fn(ins, None) if into else fn(ins)
         if pieces is not None:
             outs = _cut(outs, pieces, specs)
         return [np.asarray(o, dtype=s.dtype).reshape(s.shape) if o.shape != s.shape or
@@ -170,7 +172,8 @@ def apply(what: str, leaves: Sequence[Any], forward: HostFn,
           grad_specs: Sequence[jax.ShapeDtypeStruct] | None = None,
           cotangents: Callable[[list[Any]], list[Any]] | None = None,
           pieces: Sequence[tuple[int, int]] | None = None,
-          inplace: bool = False) -> list[Any]:
+          inplace: bool = False,
+          into: Callable[..., list[np.ndarray]] | None = None) -> list[Any]:
     """Run ``forward`` on ``leaves``: eagerly, or as a host call when traced, differentiable
     through ``backward`` (cotangents of the outputs -> cotangents of the inputs, shaped like
     ``grad_specs``, the inputs' shapes by default) when every leaf is floating point.
@@ -179,21 +182,28 @@ def apply(what: str, leaves: Sequence[Any], forward: HostFn,
     only) ``forward`` returns buffers and output ``k`` is cut out of them at
     ``pieces[k] = (buffer, byte offset)``; with ``inplace`` too, the FFI host call hands
     ``forward`` writable buffers it may reduce in place (see :func:`hora.jax.host_call.call`;
-    only when :func:`hora.jax.host_call.available`)."""
+    only when :func:`hora.jax.host_call.available`). ``into`` (traced only): ``forward``'s
+    form that writes its results into the host call's result buffers,
+    ``into(arrays, outputs)`` (``outputs`` None where the host call has none to lend), used
+    instead of ``forward`` when given."""
     if not is_traced(leaves):
         return [to_jax(o) for o in forward([to_host(x) for x in leaves])]
-    fwd_fn = forward if pieces is not None else _checked(forward, out_specs, what)
+    fwd_fn: Callable[..., list[np.ndarray]]
+    if into is not None:
+        fwd_fn = into
+    else:
+        fwd_fn = forward if pieces is not None else _checked(forward, out_specs, what)
     xs = [jnp.asarray(x) for x in leaves]
     in_specs = list(grad_specs) if grad_specs is not None else [
         jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
     floating = all(jnp.issubdtype(x.dtype, jnp.inexact) for x in xs)
     if backward is None or not floating:
-        return _callback(fwd_fn, out_specs, xs, pieces, inplace)
+        return _callback(fwd_fn, out_specs, xs, pieces, inplace, into is not None)
     bwd_fn = _checked(backward, in_specs, f"{what} (gradient)")
 
     @jax.custom_vjp
     def op(*inputs: Any) -> list[Any]:
-        return _callback(fwd_fn, out_specs, inputs, pieces, inplace)
+        return _callback(fwd_fn, out_specs, inputs, pieces, inplace, into is not None)
 
     def op_fwd(*inputs: Any) -> tuple[list[Any], None]:
         return op(*inputs), None

@@ -3,13 +3,13 @@ the host callback of :mod:`hora.jax` on CPU, cheaper than ``jax.pure_callback``.
 
 ``jax.pure_callback`` copies every operand into a new ``jax.Array`` (``device_put``) before
 the Python function sees it, and checks and canonicalizes every result in Python before XLA
-copies it; on this 2-core VM a 1.6 MB operand and result cost ~0.3-2 ms per call that way,
-and each extra result ~3 µs. Here one FFI target, ``hora_host_call``, is registered once per
-process; its handler (a ``ctypes`` function, so XLA calls into Python holding the GIL) looks
-up the traced call's Python function by an integer attribute, hands it read-only numpy views
-of XLA's operand buffers (no copy) and copies each result straight into XLA's result buffer
-(one ``memmove``). Measured: 1.6 MB in and out ~60 µs per call (pure_callback: ~250 µs
-quiet), a result ~1 µs more each.
+copies it. Here one FFI target, ``hora_host_call``, is registered once per process; its handler
+(a ``ctypes`` function, so XLA calls into Python holding the GIL) looks up the traced call's
+Python function by an integer attribute, hands it read-only numpy views of XLA's operand
+buffers (no copy) and copies each result straight into XLA's result buffer (one ``memmove``),
+or, with ``into``, hands it writable views of XLA's result buffers to fill itself (no copy at
+all: the collective writes there). The per-call costs against ``pure_callback`` are in
+docs/benchmarks.md ("Measurements behind the code's constants").
 
 The handler speaks the XLA FFI C API (``xla/ffi/api/c_api.h``: a stable, versioned ABI);
 :func:`available` is False, and callers keep ``pure_callback``, when the backend is not CPU or
@@ -30,7 +30,8 @@ import numpy as np
 
 from hora._util.log import get_logger
 
-HostFn = Callable[[list[np.ndarray]], list[np.ndarray]]
+HostFn = Callable[..., list[np.ndarray]]
+"""``fn(operands) -> results``; with ``into``, ``fn(operands, outputs) -> results``."""
 
 TARGET = "hora_host_call"
 _API_VERSION = (0, 3)  # the XLA FFI C API this handler implements (jaxlib 0.10's header)
@@ -104,9 +105,11 @@ class _Call:
 
     def __init__(self, fn: HostFn, ins: Sequence[jax.ShapeDtypeStruct],
                  outs: Sequence[jax.ShapeDtypeStruct],
-                 pieces: Sequence[tuple[int, int]] | None, inplace: bool = False) -> None:
+                 pieces: Sequence[tuple[int, int]] | None, inplace: bool = False,
+                 into: bool = False) -> None:
         self.fn = fn
         self.inplace = inplace
+        self.into = into
         self.ins = [(tuple(s.shape), np.dtype(s.dtype)) for s in ins]
         self.outs = [(tuple(s.shape), np.dtype(s.dtype)) for s in outs]
         self.nbytes = [int(np.prod(shape)) * dt.itemsize for shape, dt in self.outs]
@@ -149,9 +152,21 @@ def _operands(frame: _CallFrame, call: _Call) -> list[np.ndarray]:
     return views
 
 
+def _outputs(frame: _CallFrame, call: _Call) -> list[np.ndarray]:
+    """Writable views of XLA's result buffers (the first ``len(call.outs)``), for ``into``."""
+    views = []
+    rets = frame.rets.items
+    for k, (shape, dtype) in enumerate(call.outs):
+        address = _P.from_address(rets[k] + _DATA_OFFSET).value
+        views.append(np.asarray(_View(address, shape, dtype, True)).view(dtype)
+                     if address else np.empty(shape, dtype))
+    return views
+
+
 def _store(frame: _CallFrame, call: _Call, results: Sequence[np.ndarray]) -> None:
     """Copy ``results`` into XLA's result buffers (each checked against its spec), or, with
-    ``pieces``, each result's bytes out of the buffers ``results``."""
+    ``pieces``, each result's bytes out of the buffers ``results``; bytes already where they
+    belong (an ``into`` call's function wrote XLA's buffer itself) are not copied."""
     rets = frame.rets.items
     if call.pieces is not None:
         bases = [_base(b) for b in results]
@@ -161,7 +176,9 @@ def _store(frame: _CallFrame, call: _Call, results: Sequence[np.ndarray]) -> Non
                                  f"{n} expected")
         memmove, pointer = C.memmove, _P.from_address
         for k, b, offset, n in call.copies:  # the hot loop of a packed tree: one copy a leaf
-            memmove(pointer(rets[k] + _DATA_OFFSET).value or _null(), bases[b][0] + offset, n)
+            target = pointer(rets[k] + _DATA_OFFSET).value or _null()
+            if target != bases[b][0] + offset:
+                memmove(target, bases[b][0] + offset, n)
         return
     if len(results) != len(call.outs):
         raise ValueError(f"hora.jax host call: {len(results)} results, {len(call.outs)} "
@@ -174,7 +191,9 @@ def _store(frame: _CallFrame, call: _Call, results: Sequence[np.ndarray]) -> Non
         if out.dtype != dtype:
             out = out.astype(dtype)
         if call.nbytes[k]:
-            C.memmove(_data(rets[k]), _base(out)[0], call.nbytes[k])
+            target, source = _data(rets[k]), _base(out)[0]
+            if target != source:
+                C.memmove(target, source, call.nbytes[k])
 
 
 def _null() -> int:
@@ -221,7 +240,10 @@ def _handle(pointer: Any) -> int | None:
             return None
         key = C.c_int64.from_address(_Scalar.from_address(frame.attrs.attrs[0]).value).value
         call = _CALLS[key]
-        _store(frame, call, call.fn(_operands(frame, call)))
+        if call.into:
+            _store(frame, call, call.fn(_operands(frame, call), _outputs(frame, call)))
+        else:
+            _store(frame, call, call.fn(_operands(frame, call)))
         return None
     except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA, none escapes
         try:
@@ -259,7 +281,8 @@ def available() -> bool:
 
 
 def call(fn: HostFn, out_specs: Sequence[jax.ShapeDtypeStruct], operands: Sequence[Any],
-         pieces: Sequence[tuple[int, int]] | None = None, inplace: bool = False) -> list[Any]:
+         pieces: Sequence[tuple[int, int]] | None = None, inplace: bool = False,
+         into: bool = False) -> list[Any]:
     """``fn`` (host arrays -> host arrays shaped like ``out_specs``) on the traced
     ``operands``, as one custom call of the jitted program (under ``vmap``: once per
     element). With ``pieces``, ``fn`` returns buffers instead and result ``k`` is
@@ -268,12 +291,16 @@ def call(fn: HostFn, out_specs: Sequence[jax.ShapeDtypeStruct], operands: Sequen
     ``pieces``), ``fn`` gets writable buffers holding the operands' values (each operand is
     aliased to an extra result of the call, which XLA copies first only if the operand is
     needed elsewhere: a packed buffer made for the call is not) and may return them, changed
-    in place. ``fn`` is kept for the life of the process (compiled programs may call it)."""
+    in place. With ``into``, ``fn(operands, outputs)`` also gets writable views of XLA's
+    result buffers (shaped like ``out_specs``) and may write its results there and return
+    them (or, with ``pieces``, return buffers that are those views): such bytes are not
+    copied again. ``fn`` is kept for the life of the process (compiled programs may call
+    it)."""
     if inplace and pieces is None:
         raise ValueError("hora.jax host call: inplace needs pieces")
     ins = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in operands]
     key = next(_KEYS)
-    _CALLS[key] = _Call(fn, ins, out_specs, pieces, inplace)
+    _CALLS[key] = _Call(fn, ins, out_specs, pieces, inplace, into)
     results, aliases = list(out_specs), {}
     if inplace:
         aliases = {k: len(results) + k for k in range(len(ins))}

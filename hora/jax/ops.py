@@ -1,7 +1,7 @@
 """Horovod's collectives on ``jax.Array``\\ s and pytrees, eager and inside ``jax.jit``, with
 their gradients.
 
-Each op runs the core's one definition of the collective (:mod:`hora.core.frontend.spellings`) on
+Each op runs the core's one definition of the collective (:mod:`hora.core.frontend.op_forms`) on
 host arrays through :func:`hora.jax.bridge.apply` (a direct call eagerly, a ``pure_callback``
 wrapped in ``custom_vjp`` when traced). A pytree is one grouped op (one fused collective); a
 bare array is Horovod's single-tensor op with Horovod's name. Gradients are Horovod's rules
@@ -36,7 +36,8 @@ from hora.core.data import packing as _packing
 from hora.core.engine import context as _context
 from hora.core.frontend import api as _api
 from hora.core.frontend import gradients as _grads
-from hora.core.frontend import spellings as _sp
+from hora.core.frontend import grouped as _grouped
+from hora.core.frontend import op_forms as _sp
 from hora.core.op.handle import Handle
 from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.jax import host_call
@@ -82,7 +83,7 @@ def _guard(kind: str, flat: Flat, specs: list[Spec], grouped: bool,
     if not grouped:
         return fn
     shapes = Flat(list(specs), flat.treedef)
-    return lambda arrays: diagnose(kind, shapes, process_set, lambda: fn(arrays))
+    return lambda *args: diagnose(kind, shapes, process_set, lambda: fn(*args))
 
 
 # ---- allreduce -----------------------------------------------------------------------------
@@ -107,8 +108,16 @@ def _allreduce(kind: str, flat: Flat, leaves: list[Any], name: str | None, op: R
             return _grads.grouped_allreduce(HOST, g, *args, name=gname)
         return [_grads.allreduce(HOST, g[0], *args, name=gname)]
 
+    def into(a: list[np.ndarray], outs: list[np.ndarray] | None) -> list[np.ndarray]:
+        # the core writes the result straight into XLA's result buffer (no copy after)
+        handle = _api.allreduce_async(a[0], name=full, op=op, prescale_factor=pre,
+                                      postscale_factor=post, process_set=process_set,
+                                      output=outs[0] if outs is not None else None, sync=True)
+        return [handle.wait()]
+
+    single_into = into if not grouped and op is not ReduceOp.Adasum else None
     return apply(kind, leaves, _guard(kind, flat, specs, grouped, process_set, forward), specs,
-                 backward)
+                 backward, into=single_into)
 
 
 def _allreduce_packed(kind: str, flat: Flat, leaves: list[Any], full: str | None,
@@ -146,14 +155,28 @@ def _allreduce_packed(kind: str, flat: Flat, leaves: list[Any], full: str | None
     inplace = plan.owned and host_call.available()
     guard = reduce(inplace)
     gname = _grad_name(name, True)
+    lone = {k: idx[0] for k, idx in enumerate(plan.layout.groups) if k not in plan.packed}
+
+    def into(a: list[np.ndarray], outs: list[np.ndarray] | None) -> list[np.ndarray]:
+        # a lone leaf's result is written by the core straight into XLA's result buffer of
+        # that leaf (the host call then copies only the packed groups' leaves)
+        outputs = [outs[lone[k]].reshape(-1) if outs is not None and k in lone else None
+                   for k in range(len(a))]
+        handle = _grouped.grouped_allreduce_async(
+            a, name=name, op=op, prescale_factor=pre, postscale_factor=post,
+            process_set=process_set, sync=True, outputs=outputs)
+        out: list[np.ndarray] = handle.wait()
+        return out
 
     def backward(g: list[np.ndarray]) -> list[np.ndarray]:
         if single:
             return [_grads.allreduce(HOST, g[0], *args, name=gname)]
         return _grads.grouped_allreduce(HOST, g, *args, name=gname)
 
+    guarded_into = (_guard(kind, flat, plan.specs, True, process_set, into)
+                    if lone and not single and not inplace else None)
     return apply(kind, plan.buffers(leaves), guard, plan.specs, backward, plan.buffer_specs,
-                 plan.buffers, plan.pieces, inplace)
+                 plan.buffers, plan.pieces, inplace, guarded_into)
 
 
 def _compressed(compression: type[Compressor], leaves: list[Any],

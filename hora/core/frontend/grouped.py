@@ -45,19 +45,23 @@ def grouped_allreduce_async(tensors: Sequence[Any], *, name: str | None = None,
                             postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set,
                             inplace: bool = False, device: str = "cpu",
-                            sync: bool = False) -> Handle:
+                            sync: bool = False,
+                            outputs: Sequence[np.ndarray | None] | None = None) -> Handle:
     """Allreduce a list of tensors as one group (names ``grouped_allreduce.<base>_<i>of<n>``);
     resolves to the list of results. In a fast lane the members run as one unit: one fused
     allreduce when they fit in the lane's fusion limit, else in order, split where it is
-    reached."""
+    reached. ``outputs`` (not with ``inplace``): per member, a contiguous array of its shape
+    and dtype to write the result into (an adapter's own result memory), or None for a new
+    one."""
     ctx = context.get("grouped_allreduce")
     base = ctx.engine.names.base("grouped_allreduce", name, process_set.process_set_id or 0)
     n = len(tensors)
     group = f"grouped_allreduce.{base}"
+    outs = outputs if outputs is not None else [None] * n
     entries = [api.allreduce_entry(ctx, t, f"{base}_{i + 1}of{n}", op, prescale_factor,
-                                   postscale_factor, process_set, inplace, None,
+                                   postscale_factor, process_set, inplace, out,
                                    "grouped_allreduce", device, sync, group)
-               for i, t in enumerate(tensors)]
+               for i, (t, out) in enumerate(zip(tensors, outs))]
     return _submit_group(ctx, group, entries)
 
 
