@@ -19,17 +19,17 @@ from typing import TYPE_CHECKING, Any
 from hora._version import __version__ as __version__
 
 if TYPE_CHECKING:  # what the lazy attributes are, for type checkers and IDEs
-    from hora._numpy import *  # noqa: F403
+    from hora.numpy_api import *  # noqa: F403
 
 
 def __getattr__(name: str) -> Any:
     """Load the API on first use (PEP 562): ``import hora`` alone costs nothing, and the
     launcher (``hora.runner``) never imports the engine."""
-    if name == "_numpy" or (name.startswith("__") and name != "__all__"):
+    if name == "numpy_api" or (name.startswith("__") and name != "__all__"):
         raise AttributeError(f"module 'hora' has no attribute {name!r}")
-    _numpy = importlib.import_module("hora._numpy")
+    api = importlib.import_module("hora.numpy_api")
     try:
-        value = getattr(_numpy, name)
+        value = getattr(api, name)
     except AttributeError:
         raise AttributeError(f"module 'hora' has no attribute {name!r}") from None
     globals()[name] = value
@@ -37,5 +37,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    _numpy = importlib.import_module("hora._numpy")
-    return sorted(set(globals()) | set(_numpy.__all__))
+    api = importlib.import_module("hora.numpy_api")
+    return sorted(set(globals()) | set(api.__all__))

@@ -5,7 +5,7 @@ list), beside their own collectives."""
 
 from __future__ import annotations
 
-from hora._numpy import (
+from hora.numpy_api import (
     Adasum,
     Average,
     HorovodInternalError,

@@ -128,7 +128,7 @@ def test_the_launcher_loads_neither_the_engine_nor_numpy() -> None:
 
     code = ("import sys, hora.runner.cli; "
             "print(sorted(m for m in sys.modules if m.startswith(('hora.core', 'numpy', "
-            "'hora.transports', 'hora._numpy'))))")
+            "'hora.transports', 'hora.numpy_api'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout.strip()
     assert out == "[]", out

@@ -2,7 +2,7 @@
 integer handle; ``hvd.synchronize(handle)`` waits and returns the result as ``jax.Array``\\ s in
 the input's structure, ``hvd.poll(handle)`` tells whether it finished.
 
-They submit the same core op as the synchronous forms (:mod:`hora.core.frontend.spellings` families
+They submit the same core op as the synchronous forms (:mod:`hora.core.frontend.op_forms` families
 through :data:`hora.jax.bridge.HOST`); a pytree is one grouped op. Handles cannot leave a traced
 function, so these raise a clear error inside ``jax.jit`` / ``grad`` / ``vmap``.
 """
@@ -15,14 +15,14 @@ import numpy as np
 
 from hora.collectives.ops import ReduceOp
 from hora.core.frontend import api as _api
-from hora.core.frontend import spellings as _sp
+from hora.core.frontend import op_forms as _sp
 from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.jax.bridge import HOST, eager_only, to_host, to_jax
 from hora.jax.ops import op_name
 from hora.jax.tree import Flat, flatten
 
 
-def _start(kind: str, family: _sp.Family, grouped: bool, tensor: Any, *args: Any,
+def _start(kind: str, family: _sp.OpForm, grouped: bool, tensor: Any, *args: Any,
            name: str | None, process_set: ProcessSet, rows_of: bool = False) -> int:
     flat = flatten(tensor)
     eager_only(f"{kind}_async", flat.leaves)

@@ -1,7 +1,7 @@
 """TensorFlow tensors <-> the core's host buffers, eagerly and inside ``tf.function``.
 
 Every collective of this adapter is a function over numpy arrays (the core's one definition of
-the op, run through :data:`HOST`, a :class:`~hora.core.frontend.spellings.Bridge` with TensorFlow's
+the op, run through :data:`HOST`, a :class:`~hora.core.frontend.op_forms.Bridge` with TensorFlow's
 dtype tables) wrapped by :func:`host_call`:
 
 * eagerly, the tensors' host values are handed over (``EagerTensor.numpy()``) and the results
@@ -30,7 +30,7 @@ try:  # the dataset whose function runs inline, on the thread that reads it (TF 
 except ImportError:  # pragma: no cover - older or newer layouts: collectives block a thread
     _MapDataset = None
 
-from hora.core.frontend import spellings as _sp
+from hora.core.frontend import op_forms as _sp
 from hora.core.frontend.host_bridge import HostBridge
 from hora.tensorflow.op_errors import install_session_translation, translated
 

@@ -1,6 +1,6 @@
 """Horovod's TensorFlow collectives, eager and in ``tf.function``, with their gradients.
 
-Each op runs the core's one definition of the collective (:mod:`hora.core.frontend.spellings`) on
+Each op runs the core's one definition of the collective (:mod:`hora.core.frontend.op_forms`) on
 host arrays through :func:`hora.tensorflow.bridge.host_call`, and registers Horovod's gradient
 (:mod:`hora.core.frontend.gradients`) with ``tf.custom_gradient``:
 
@@ -34,7 +34,7 @@ from hora.core.engine import context as _context
 from hora.core.frontend import api as _api
 from hora.core.frontend import gradients as _grads
 from hora.core.frontend import grouped as _grouped
-from hora.core.frontend import spellings as _sp
+from hora.core.frontend import op_forms as _sp
 from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.tensorflow.bridge import (
     HOST,

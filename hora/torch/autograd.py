@@ -30,7 +30,7 @@ import torch
 from hora.collectives.ops import ReduceOp
 from hora.core.frontend import api as _api
 from hora.core.frontend import gradients as _grads
-from hora.core.frontend import spellings as _sp
+from hora.core.frontend import op_forms as _sp
 from hora.core.op import device as _device
 from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.torch import ops

@@ -1,6 +1,6 @@
 """Torch tensors <-> the core's numpy buffers (:data:`TORCH`, the adapter's bridge), and
 Horovod's non-differentiable forms of every collective, compiled by
-:func:`hora.core.frontend.spellings.spell` from the core's one definition of each op.
+:func:`hora.core.frontend.op_forms.spell` from the core's one definition of each op.
 
 The bridge checks a tensor's dtype against Horovod's per-op tables, hands the core a numpy view
 of the tensor's memory (zero-copy on the CPU; bfloat16 is reinterpreted through int16; CUDA
@@ -32,7 +32,7 @@ import torch
 from hora.collectives.ops import BFLOAT16
 from hora.core.frontend import api as _api
 from hora.core.frontend import grouped as _grouped
-from hora.core.frontend import spellings as _sp
+from hora.core.frontend import op_forms as _sp
 from hora.core.frontend.api import synchronize as synchronize  # re-exported: ops.synchronize
 from hora.core.op import device as _device
 from hora.core.op.device import DeviceBuffer
@@ -94,17 +94,17 @@ def to_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 class _TorchBridge:
-    """torch tensors <-> the core's host buffers, for :mod:`hora.core.frontend.spellings`."""
+    """torch tensors <-> the core's host buffers, for :mod:`hora.core.frontend.op_forms`."""
 
     passthrough = False
 
-    def host(self, tensor: Any, table: str) -> _sp.Host:
+    def host(self, tensor: Any, table: str) -> _sp.TensorView:
         t = check_tensor(tensor, REDUCE_DTYPES if table == _sp.REDUCE else MOVE_DTYPES)
         if _device.native("torch"):  # the torch data plane: the tensor itself, on its device
-            return _sp.Host(_buffers.wrap(t), device_kind(t), t)
-        return _sp.Host(host_array(t), device_kind(t), t)
+            return _sp.TensorView(_buffers.wrap(t), device_kind(t), t)
+        return _sp.TensorView(host_array(t), device_kind(t), t)
 
-    def hosts(self, tensors: Sequence[Any], table: str) -> tuple[list[_sp.Host], str]:
+    def hosts(self, tensors: Sequence[Any], table: str) -> tuple[list[_sp.TensorView], str]:
         allowed = REDUCE_DTYPES if table == _sp.REDUCE else MOVE_DTYPES
         checked = [check_tensor(t, allowed) for t in tensors]
         if not checked:
@@ -113,16 +113,17 @@ class _TorchBridge:
         if any(t.device != device for t in checked):
             raise ValueError("Tensors in list must be on same device.")
         if _device.native("torch"):
-            return [_sp.Host(_buffers.wrap(t), device_kind(t), t) for t in checked], device.type
-        return [_sp.Host(host_array(t), device_kind(t), t) for t in checked], device.type
+            return ([_sp.TensorView(_buffers.wrap(t), device_kind(t), t) for t in checked],
+                    device.type)
+        return [_sp.TensorView(host_array(t), device_kind(t), t) for t in checked], device.type
 
-    def result(self, like: _sp.Host, out: Any) -> torch.Tensor:
+    def result(self, like: _sp.TensorView, out: Any) -> torch.Tensor:
         if isinstance(out, DeviceBuffer):  # made on the tensor's device by the core
             result: torch.Tensor = out.native
             return result
         return to_tensor(out, like.tensor.device)
 
-    def written(self, host: _sp.Host, out: Any) -> torch.Tensor:
+    def written(self, host: _sp.TensorView, out: Any) -> torch.Tensor:
         tensor: torch.Tensor = host.tensor
         with torch.no_grad():
             if isinstance(host.array, DeviceBuffer):  # reduced where it lives
@@ -170,7 +171,7 @@ class _TorchBridge:
 TORCH = _TorchBridge()
 """The torch bridge: every collective of this adapter goes through it."""
 
-def _spell(family: _sp.Family, public: str, inplace: bool, wait: bool) -> Any:
+def _spell(family: _sp.OpForm, public: str, inplace: bool, wait: bool) -> Any:
     return _sp.spell(TORCH, family, public, inplace=inplace, wait=wait, module=__name__)
 
 

@@ -193,7 +193,7 @@ assert [r["sum"][0] for r in ex.run(ray_jobs.identity_and_allreduce)] == [3.0, 3
 ex.shutdown()
 ray.shutdown()
 print(sorted(m for m in sys.modules if m.startswith(("hora.core", "hora.transports",
-      "hora._numpy", "hora.torch", "hora.collectives"))))
+      "hora.numpy_api", "hora.torch", "hora.collectives"))))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=90, cwd=ROOT)

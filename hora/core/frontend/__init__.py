@@ -1,5 +1,5 @@
 """What the framework adapters call: the core's API over buffers (``api``), the op forms
-Horovod's spellings map onto (``spellings``), grouped ops (``grouped``), the gradient rules and
+Horovod's spellings map onto (``op_forms``), grouped ops (``grouped``), the gradient rules and
 the bridge adapters implement (``gradients``, ``host_bridge``), the distributed optimizer's
 framework-neutral logic (``distopt``), compression and object collectives (``compression``,
 ``objects``). It is the top of the core: it may import every other core subpackage; nothing in

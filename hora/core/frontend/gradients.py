@@ -2,7 +2,7 @@
 
 An adapter's differentiable forms (``torch.autograd.Function``, TensorFlow's registered
 gradients, JAX's ``custom_vjp``) call these with the incoming gradient and what the forward pass
-saved; each runs collectives through the adapter's :class:`~hora.core.frontend.spellings.Bridge`:
+saved; each runs collectives through the adapter's :class:`~hora.core.frontend.op_forms.Bridge`:
 
 * allreduce: the gradient is allreduced with the same op and scale factors;
 * allgather: the gradient is averaged across the set, and each rank keeps its own rows;
@@ -28,7 +28,7 @@ import numpy as np
 from hora.collectives.ops import ReduceOp
 from hora.core.engine import context as _context
 from hora.core.frontend import api
-from hora.core.frontend import spellings as sp
+from hora.core.frontend import op_forms as sp
 from hora.core.op.process_set import ProcessSet
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from hora.core.frontend import spellings as sp
+from hora.core.frontend import op_forms as sp
 
 
 class HostBridge:
@@ -23,18 +23,18 @@ class HostBridge:
     def check(self, array: np.ndarray, table: str) -> None:
         """Raise ValueError if ``array``'s dtype is not in table ``table`` (none here)."""
 
-    def host(self, tensor: Any, table: str) -> sp.Host:
+    def host(self, tensor: Any, table: str) -> sp.TensorView:
         array = tensor if isinstance(tensor, np.ndarray) else np.asarray(tensor)
         self.check(array, table)
-        return sp.Host(array, "cpu", tensor)
+        return sp.TensorView(array, "cpu", tensor)
 
-    def hosts(self, tensors: Sequence[Any], table: str) -> tuple[list[sp.Host], str]:
+    def hosts(self, tensors: Sequence[Any], table: str) -> tuple[list[sp.TensorView], str]:
         return [self.host(t, table) for t in tensors], "cpu"
 
-    def result(self, like: sp.Host, out: Any) -> Any:
+    def result(self, like: sp.TensorView, out: Any) -> Any:
         return out
 
-    def written(self, host: sp.Host, out: Any) -> Any:
+    def written(self, host: sp.TensorView, out: Any) -> Any:
         return out
 
     def splits(self, splits: Any) -> list[int] | None:

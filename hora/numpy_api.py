@@ -29,7 +29,7 @@ from hora.core.engine import context as _context
 from hora.core.engine.context import init, is_initialized, shutdown
 from hora.core.frontend import api as _api
 from hora.core.frontend import objects as _objects
-from hora.core.frontend import spellings as _sp
+from hora.core.frontend import op_forms as _sp
 from hora.core.frontend.api import (
     add_process_set,
     poll,
@@ -168,7 +168,7 @@ def stop_timeline() -> None:
 
 # ---- collectives on numpy arrays -------------------------------------------------------------
 class _NumpyBridge(HostBridge):
-    """The numpy side of :mod:`hora.core.frontend.spellings`: arrays are the core's own buffers
+    """The numpy side of :mod:`hora.core.frontend.op_forms`: arrays are the core's own buffers
     (every dtype the core supports; received alltoall splits as the core gives them)."""
 
     def received_splits(self, splits: Any, received: np.ndarray) -> Any:
@@ -178,7 +178,7 @@ class _NumpyBridge(HostBridge):
 _NUMPY = _NumpyBridge()
 
 
-def _spell(family: _sp.Family, public: str, inplace: bool, wait: bool) -> Any:
+def _spell(family: _sp.OpForm, public: str, inplace: bool, wait: bool) -> Any:
     return _sp.spell(_NUMPY, family, public, inplace=inplace, wait=wait, module=__name__)
 
 

@@ -1,11 +1,11 @@
-"""Horovod's spellings of every collective, made once here for every adapter.
+"""The op forms of every collective (Horovod's spellings of it), made once for every adapter.
 
 Horovod offers each collective in up to four forms: ``x`` (wait, new result), ``x_`` (wait, in
 place), ``x_async`` (a handle) and ``x_async_`` (a handle, in place), with one parameter list.
-Each collective is one :class:`Family` here: that parameter list (a prototype function), the dtype
-table it checks, and one ``submit`` that calls :mod:`hora.core.frontend.api`. An adapter supplies a
-:class:`Bridge` (its tensors <-> the core's host buffers) and asks :func:`spell` for each public
-name::
+Each collective is one :class:`OpForm` here: that parameter list (a prototype function), the
+dtype table it checks, and one ``submit`` that calls :mod:`hora.core.frontend.api`. An adapter
+supplies a :class:`Bridge` (its tensors <-> the core's host buffers, each seen as a
+:class:`TensorView`) and asks :func:`spell` for each public name::
 
     allreduce_async = spell(TORCH, ALLREDUCE, "allreduce_async", inplace=False, wait=False)
 
@@ -38,8 +38,9 @@ REDUCE, MOVE = "reduce", "move"
 
 
 @dataclass
-class Host:
-    """An adapter's tensor as the core sees it."""
+class TensorView:
+    """An adapter's tensor as the core sees it: its values as a core buffer, its device kind,
+    and the tensor itself."""
 
     array: Buffer  # the values (a view of the tensor's memory where possible, or the tensor
     # itself as a device buffer where the data plane takes it: hora.core.op.device)
@@ -53,21 +54,21 @@ class Bridge(Protocol):
     passthrough: bool
     """True when :meth:`result` and :meth:`written` return the core's result unchanged."""
 
-    def host(self, tensor: Any, table: str) -> Host:
+    def host(self, tensor: Any, table: str) -> TensorView:
         """Check ``tensor`` against dtype table ``table`` (:data:`REDUCE` / :data:`MOVE`) and
         return its host view. Raises ValueError (Horovod's text) for what the adapter refuses."""
         ...
 
-    def hosts(self, tensors: Sequence[Any], table: str) -> tuple[list[Host], str]:
+    def hosts(self, tensors: Sequence[Any], table: str) -> tuple[list[TensorView], str]:
         """Grouped ops: :meth:`host` of each tensor and the list's one device kind
         (ValueError if the tensors are on different devices)."""
         ...
 
-    def result(self, like: Host, out: Any) -> Any:
+    def result(self, like: TensorView, out: Any) -> Any:
         """A new adapter tensor holding the core's result ``out`` (placed like ``like``)."""
         ...
 
-    def written(self, host: Host, out: Any) -> Any:
+    def written(self, host: TensorView, out: Any) -> Any:
         """In-place forms: the adapter's tensor once the core wrote the result into ``host``
         (``out`` is what the core returned)."""
         ...
@@ -86,7 +87,7 @@ Submit = Callable[..., tuple[Handle, Convert]]
 
 
 @dataclass(frozen=True)
-class Family:
+class OpForm:
     """One collective: Horovod's parameters (``prototype``'s), and its core call.
 
     ``submit(bridge, inplace, sync, *arguments)`` starts the op and returns the core handle and
@@ -104,7 +105,7 @@ def _identity(out: Any) -> Any:
     return out
 
 
-def _one(bridge: Bridge, host: Host, inplace: bool) -> Convert:
+def _one(bridge: Bridge, host: TensorView, inplace: bool) -> Convert:
     if bridge.passthrough:  # results are already what the caller gets: no closure per op
         return _identity
     if inplace:
@@ -112,7 +113,7 @@ def _one(bridge: Bridge, host: Host, inplace: bool) -> Convert:
     return lambda out: bridge.result(host, out)
 
 
-def _many(bridge: Bridge, hosts: list[Host], inplace: bool) -> Convert:
+def _many(bridge: Bridge, hosts: list[TensorView], inplace: bool) -> Convert:
     if inplace:
         return lambda outs: [bridge.written(h, o) for h, o in zip(hosts, outs)]
     return lambda outs: [bridge.result(h, o) for h, o in zip(hosts, outs)]
@@ -240,28 +241,28 @@ def _grouped(proto: Callable[..., Any]) -> Callable[..., Any]:
     return grouped
 
 
-ALLREDUCE = Family("allreduce", _allreduce_proto, _allreduce,
+ALLREDUCE = OpForm("allreduce", _allreduce_proto, _allreduce,
                    "Reduce ``tensor`` element-wise across the process set: ``postscale * "
                    "op(prescale * x_i)`` (default op Average; integer Average truncates). "
                    "``average`` is deprecated (True: Average, False: Sum).")
-GROUPED_ALLREDUCE = Family("grouped_allreduce", _grouped(_allreduce_proto), _grouped_allreduce,
+GROUPED_ALLREDUCE = OpForm("grouped_allreduce", _grouped(_allreduce_proto), _grouped_allreduce,
                            "Allreduce a list of tensors as one group (names "
                            "``<name>_<i>of<n>``); the result is the list of results.")
-ALLGATHER = Family("allgather", _allgather_proto, _allgather,
+ALLGATHER = OpForm("allgather", _allgather_proto, _allgather,
                    "Concatenate every member's tensor along dimension 0 in set rank order "
                    "(first dimensions may differ, the others must agree).")
-GROUPED_ALLGATHER = Family("grouped_allgather", _grouped(_allgather_proto), _grouped_allgather,
+GROUPED_ALLGATHER = OpForm("grouped_allgather", _grouped(_allgather_proto), _grouped_allgather,
                            "Allgather each tensor of a list; the result is the list.")
-BROADCAST = Family("broadcast", _broadcast_proto, _broadcast,
+BROADCAST = OpForm("broadcast", _broadcast_proto, _broadcast,
                    "Copy ``root_rank``'s tensor (a global rank, member of the set) to every "
                    "member; shape, dtype and root must agree on every rank.")
-ALLTOALL = Family("alltoall", _alltoall_proto, _alltoall,
+ALLTOALL = OpForm("alltoall", _alltoall_proto, _alltoall,
                   "Send ``splits[j]`` rows of dimension 0 to set member ``j`` (an even split "
                   "when ``splits`` is None); the result is ``(received, received_splits)``.")
-REDUCESCATTER = Family("reducescatter", _reducescatter_proto, _reducescatter,
+REDUCESCATTER = OpForm("reducescatter", _reducescatter_proto, _reducescatter,
                        "Reduce (Sum or Average) across the set, then keep this rank's share of "
                        "dimension 0 (the first ``dim0 % size`` members get one extra row).")
-GROUPED_REDUCESCATTER = Family("grouped_reducescatter", _grouped(_reducescatter_proto),
+GROUPED_REDUCESCATTER = OpForm("grouped_reducescatter", _grouped(_reducescatter_proto),
                                _grouped_reducescatter,
                                "Reducescatter each tensor of a list; the result is the list of "
                                "this rank's shares.")
@@ -274,7 +275,7 @@ def register(handle: Handle, convert: Convert) -> int:
     return int(_context.get("handles").handles.add(DerivedHandle(handle, convert)))
 
 
-def run(bridge: Bridge, family: Family, *args: Any, inplace: bool = False) -> Any:
+def run(bridge: Bridge, family: OpForm, *args: Any, inplace: bool = False) -> Any:
     """Run ``family`` and wait (the caller is the waiter: the fast lane lets it drive the op);
     for adapters' own wrappers (e.g. differentiable forms)."""
     handle, convert = family.submit(bridge, inplace, True, *args)
@@ -290,7 +291,7 @@ _FORM_DOCS = {
 }
 
 
-def spell(bridge: Bridge, family: Family, public: str, *, inplace: bool, wait: bool,
+def spell(bridge: Bridge, family: OpForm, public: str, *, inplace: bool, wait: bool,
           module: str = "") -> Callable[..., Any]:
     """The public function ``public`` for ``family`` through ``bridge``: Horovod's signature,
     compiled, calling ``family.submit`` and then waiting (``wait``) or registering a handle."""
@@ -318,4 +319,4 @@ def spell(bridge: Bridge, family: Family, public: str, *, inplace: bool, wait: b
 
 __all__ = ["ALLGATHER", "ALLREDUCE", "ALLTOALL", "BROADCAST", "GROUPED_ALLGATHER",
            "GROUPED_ALLREDUCE", "GROUPED_REDUCESCATTER", "MOVE", "REDUCE", "REDUCESCATTER",
-           "Bridge", "Family", "Host", "register", "run", "spell"]
+           "Bridge", "OpForm", "TensorView", "register", "run", "spell"]
