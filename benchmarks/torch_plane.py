@@ -55,7 +55,7 @@ def worker(args: argparse.Namespace) -> None:
     for rnd in range(args.rounds):
         forms = ["device", "host"] if rnd % 2 == 0 else ["host", "device"]
         for form in forms:
-            device.configure("torch" if form == "device" else "builtin")
+            device.configure(("torch",) if form == "device" else ())
             for label, _, _ in CASES:
                 for _ in range(2):
                     run(label)
@@ -69,7 +69,7 @@ def worker(args: argparse.Namespace) -> None:
                     torch.cuda.synchronize()
                 times.setdefault((label, form), []).append(
                     (time.perf_counter() - start) / args.iters)
-    device.configure("torch")
+    device.configure(("torch",))
     if hvd.rank() == 0:
         print(f"hora.torch on the torch data plane, {hvd.size()} ranks, {args.device} tensors, "
               f"{args.rounds} rounds x {args.iters} ops, load {os.getloadavg()[0]:.1f}")

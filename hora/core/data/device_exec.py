@@ -9,24 +9,71 @@ get outputs allocated on the device. Every member of a set runs the same plane c
 order whichever form each rank uses, so a rank whose ops are host arrays (a joined rank with no
 device allocator, hora's numpy API on the CPU) meets the others. Where a device buffer meets a
 route that moves host memory only, :func:`stage` turns it into a host array first.
+
+The forms of the collectives other than allreduce share one signature, :data:`Form`: the
+executor's dispatch table (:data:`hora.core.data.executor._FORMS`) pairs each with its host form.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from hora.collectives.comm import Comm
 from hora.collectives.ops import ReduceOp, to_dtype
 from hora.core.data import aligned
-from hora.core.data.plane_route import PlaneRoute
 from hora.core.op.device import DeviceBuffer, allocator, scale
 from hora.core.op.entry import Entry
 from hora.core.op.messages import Response
 
 Done = Callable[[Entry, Any], None]
+
+
+class DeviceRoute(Protocol):
+    """A route whose collectives take device buffers as they are (``native``, e.g.
+    :class:`~hora.core.data.plane_route.PlaneRoute` over the torch plane)."""
+
+    comm: Comm
+
+    def allreduce(self, buf: DeviceBuffer, op: ReduceOp, scratch: np.ndarray,
+                  counts: Sequence[int] | None = None, *, postscale: float = 1.0) -> None: ...
+
+    def allgather(self, sendbuf: DeviceBuffer, counts: Sequence[int],
+                  out: DeviceBuffer) -> None: ...
+
+    def broadcast(self, buf: DeviceBuffer, root: int) -> None: ...
+
+    def alltoall(self, sendbuf: DeviceBuffer, send_counts: Sequence[int],
+                 recvbuf: DeviceBuffer, recv_counts: Sequence[int]) -> None: ...
+
+    def reducescatter(self, buf: DeviceBuffer, counts: Sequence[int], op: ReduceOp,
+                      out: DeviceBuffer, scratch: np.ndarray) -> None: ...
+
+
+class Site(Protocol):
+    """What a form asks of the executor that runs it."""
+
+    def root_index(self, resp: Response) -> int:
+        """A broadcast's root as an index into its set's members."""
+        ...
+
+    def scratch_for(self, nbytes: int) -> np.ndarray:
+        """A scratch buffer of at least ``nbytes``."""
+        ...
+
+
+Form = Callable[[DeviceRoute, Response, Entry, Site], Any]
+"""A device form of one collective (not allreduce): (route, response, this rank's op, the
+executor) -> the op's result."""
+
+
+def reducescatter_rows(rows: int, size: int) -> list[int]:
+    """Horovod's split of ``rows`` among ``size`` ranks: the first ``rows % size`` get one more."""
+    base, extra = divmod(rows, size)
+    return [base + (1 if i < extra else 0) for i in range(size)]
 
 
 def _buffer(x: Any) -> DeviceBuffer:
@@ -45,7 +92,7 @@ def template(resp: Response, local: Sequence[Entry | None]) -> DeviceBuffer | No
     return None if make is None else make((0,), to_dtype(resp.dtype))
 
 
-def allreduce(route: PlaneRoute, resp: Response, local: Sequence[Entry | None], like: DeviceBuffer,
+def allreduce(route: DeviceRoute, resp: Response, local: Sequence[Entry | None], like: DeviceBuffer,
               scratch: np.ndarray, done: Done) -> None:
     """:meth:`Executor._allreduce` on device buffers (``like``: :func:`template`)."""
     sizes = [math.prod(s) for s in resp.shapes]
@@ -85,7 +132,7 @@ def allreduce(route: PlaneRoute, resp: Response, local: Sequence[Entry | None], 
             done(entry, piece)
 
 
-def allgather(route: PlaneRoute, resp: Response, entry: Entry) -> DeviceBuffer:
+def allgather(route: DeviceRoute, resp: Response, entry: Entry, site: Site) -> DeviceBuffer:
     x = _buffer(entry.tensor)
     row = math.prod(x.shape[1:])
     dims = resp.first_dims[0]
@@ -95,7 +142,8 @@ def allgather(route: PlaneRoute, resp: Response, entry: Entry) -> DeviceBuffer:
     return out
 
 
-def broadcast(route: PlaneRoute, root: int, entry: Entry) -> DeviceBuffer:
+def broadcast(route: DeviceRoute, resp: Response, entry: Entry, site: Site) -> DeviceBuffer:
+    root = site.root_index(resp)
     x = _buffer(entry.tensor)
     out = _buffer(entry.output) if entry.output is not None else x.empty(x.shape)
     if out is not x:
@@ -104,7 +152,8 @@ def broadcast(route: PlaneRoute, root: int, entry: Entry) -> DeviceBuffer:
     return out
 
 
-def alltoall(route: PlaneRoute, resp: Response, entry: Entry) -> tuple[DeviceBuffer, np.ndarray]:
+def alltoall(route: DeviceRoute, resp: Response, entry: Entry,
+             site: Site) -> tuple[DeviceBuffer, np.ndarray]:
     comm = route.comm
     x = _buffer(entry.tensor)
     row = math.prod(x.shape[1:])
@@ -117,9 +166,10 @@ def alltoall(route: PlaneRoute, resp: Response, entry: Entry) -> tuple[DeviceBuf
     return out, np.asarray(recv_rows, dtype=np.int32)
 
 
-def reducescatter(route: PlaneRoute, resp: Response, entry: Entry, rows: list[int],
-                  scratch: np.ndarray) -> DeviceBuffer:
+def reducescatter(route: DeviceRoute, resp: Response, entry: Entry, site: Site) -> DeviceBuffer:
     comm = route.comm
+    rows = reducescatter_rows(entry.tensor.shape[0], comm.size)
+    scratch = site.scratch_for(entry.tensor.nbytes)
     x = _buffer(entry.tensor)
     row = math.prod(x.shape[1:])
     buf = x.empty((x.size,))
@@ -165,5 +215,5 @@ def holds_device(entry: Entry | None) -> bool:
     return entry is not None and isinstance(entry.tensor, DeviceBuffer)
 
 
-__all__ = ["allgather", "allreduce", "alltoall", "broadcast", "holds_device", "reducescatter",
-           "stage", "template"]
+__all__ = ["DeviceRoute", "Form", "Site", "allgather", "allreduce", "alltoall", "broadcast",
+           "holds_device", "reducescatter", "reducescatter_rows", "stage", "template"]

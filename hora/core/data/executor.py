@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -21,10 +21,9 @@ from hora.collectives.comm import Comm, SubComm
 from hora.collectives.ops import SUPPORTED_DTYPES as DTYPES
 from hora.collectives.ops import ReduceOp, scale_inplace, to_dtype
 from hora.config import Config
-from hora.core.data import aligned, device_exec
-from hora.core.data.device_exec import holds_device, stage
-from hora.core.data.plane_route import PlaneRoute, build_plane_route
-from hora.core.data.routing import Route, build_route, close_quietly
+from hora.core.data import aligned, device_exec, paths
+from hora.core.data.device_exec import holds_device, reducescatter_rows, stage
+from hora.core.data.routing import Route, SetSite, close_quietly
 from hora.core.op.entry import Buffer, Entry
 from hora.core.op.messages import ERROR_DEADLOCK, ERROR_SHUTDOWN, ERROR_STALL, OpKind, Response
 from hora.core.op.process_set import Registry
@@ -52,12 +51,6 @@ _ERROR_TYPES: dict[int, type[HoraInternalError]] = {
 }
 
 
-def reducescatter_rows(rows: int, size: int) -> list[int]:
-    """Horovod's split of ``rows`` among ``size`` ranks: the first ``rows % size`` get one more."""
-    base, extra = divmod(rows, size)
-    return [base + (1 if i < extra else 0) for i in range(size)]
-
-
 class Executor:
     """Runs responses over the global data-plane comm."""
 
@@ -68,7 +61,9 @@ class Executor:
         # False for a fast lane's executor: its timeline never records (a lane exists only
         # without a configured timeline), so its ops skip the timeline hooks without a call
         self._recordable = timeline is not None
-        self._builtin = config.data_plane == "builtin"  # hora moves the bytes (no device forms)
+        # no device buffers in this job (its plane moves no framework's tensors as they are):
+        # the device forms are never looked for
+        self._host_only = not paths.native_frameworks(config)
         self._comm = comm
         self._registry = registry
         self._config = config
@@ -102,11 +97,9 @@ class Executor:
             comm = self.comm_for(set_id)
             ranks = self._registry.ranks(set_id) or []
             hosts = self._hostnames or ["localhost"] * self._comm.size
-            if self._config.data_plane != "builtin":  # torch / mpi move the bytes
-                route = build_plane_route(self._comm, ranks, comm, [hosts[r] for r in ranks],
-                                          self._config, self._job_id, set_id)
-            else:
-                route = build_route(comm, [hosts[r] for r in ranks], self._config, self._job_id)
+            route = paths.build_set_route(SetSite(self._comm, ranks, comm,
+                                                  [hosts[r] for r in ranks], self._config,
+                                                  self._job_id, set_id))
             self._routes[set_id] = route
             log.info("process set %d (%d ranks) data path: %s", set_id, comm.size, route.name)
         return route
@@ -187,9 +180,10 @@ class Executor:
         entry = entries.pop(resp.names[0])
         try:
             tl.activity_start(resp.names[0], collective_activity("hora", kind))
-            result = {OpKind.ALLGATHER: self._allgather, OpKind.BROADCAST: self._broadcast,
-                      OpKind.ALLTOALL: self._alltoall,
-                      OpKind.REDUCESCATTER: self._reducescatter}[kind](route, resp, entry)
+            host, on_device = _FORMS[kind]
+            plane = None if self._host_only else self._on_device(route, [entry])
+            result = (host(self, route, resp, entry) if plane is None
+                      else on_device(plane, resp, entry, self))
         except BaseException as exc:
             tl.error(resp.names[0], str(exc))
             self.unfinished.append(entry)  # the caller aborts the job, then fails it
@@ -225,7 +219,7 @@ class Executor:
             total = sum(sizes)
             if single and (local[0] is None or local[0].output is None):
                 raise MismatchError(f"allreduce '{names[0]}' has no output on this rank")
-            plane = None if self._builtin else self._on_device(route, local)
+            plane = None if self._host_only else self._on_device(route, local)
             like = device_exec.template(resp, local) if plane is not None else None
             if plane is not None and like is not None:  # on the device (the torch plane)
                 if self._tl.recording:
@@ -303,10 +297,9 @@ class Executor:
             self.unfinished.extend(e for e in local if e is not None)  # see execute()
             raise
 
+    # The host forms of the collectives other than allreduce (:data:`_FORMS`): host arrays,
+    # over any route. Their device forms are :mod:`hora.core.data.device_exec`'s.
     def _allgather(self, route: Route, resp: Response, entry: Entry) -> Buffer:
-        plane = self._on_device(route, [entry])
-        if plane is not None:
-            return device_exec.allgather(plane, resp, entry)
         x = _host(entry.tensor)
         row = int(np.prod(x.shape[1:], dtype=np.int64))
         dims = resp.first_dims[0]
@@ -315,10 +308,7 @@ class Executor:
         return out
 
     def _broadcast(self, route: Route, resp: Response, entry: Entry) -> Buffer:
-        root = (self._registry.ranks(resp.set_id) or []).index(resp.root)
-        plane = self._on_device(route, [entry])
-        if plane is not None:
-            return device_exec.broadcast(plane, root, entry)
+        root = self.root_index(resp)
         x = _host(entry.tensor)
         out = _host(entry.output) if entry.output is not None else aligned.empty_like(x)
         if out is not x:
@@ -328,9 +318,6 @@ class Executor:
 
     def _alltoall(self, route: Route, resp: Response,
                   entry: Entry) -> tuple[Buffer, np.ndarray]:
-        plane = self._on_device(route, [entry])
-        if plane is not None:
-            return device_exec.alltoall(plane, resp, entry)
         comm = route.comm
         x = _host(entry.tensor)
         row = int(np.prod(x.shape[1:], dtype=np.int64))
@@ -345,10 +332,6 @@ class Executor:
     def _reducescatter(self, route: Route, resp: Response, entry: Entry) -> Buffer:
         comm = route.comm
         rows = reducescatter_rows(entry.tensor.shape[0], comm.size)
-        plane = self._on_device(route, [entry])
-        if plane is not None:
-            return device_exec.reducescatter(plane, resp, entry, rows,
-                                             self._scratch_for(entry.tensor.nbytes))
         x = _host(entry.tensor)
         row = int(np.prod(x.shape[1:], dtype=np.int64))
         buf = x.reshape(-1).copy()
@@ -360,6 +343,10 @@ class Executor:
         scale_inplace(out, postscale)
         return out
 
+    def root_index(self, resp: Response) -> int:
+        """A broadcast's root as an index into its set's members."""
+        return (self._registry.ranks(resp.set_id) or []).index(resp.root)
+
     # ---- buffers ----------------------------------------------------------------------------
     def _fusion_view(self, dtype: np.dtype[Any], count: int) -> np.ndarray:
         nbytes = count * dtype.itemsize
@@ -367,24 +354,25 @@ class Executor:
             self._fusion = np.empty(max(nbytes, 2 * self._fusion.nbytes), dtype=np.uint8)
         return self._fusion[:nbytes].view(dtype)
 
-    def _scratch_for(self, nbytes: int) -> np.ndarray:
-        # Enough for one ring chunk (or the whole buffer for star/small algorithms).
+    def scratch_for(self, nbytes: int) -> np.ndarray:
+        """The scratch buffer, at least ``nbytes`` (enough for one ring chunk, or the whole
+        buffer for star/small algorithms)."""
         if self._scratch.nbytes < nbytes:
             self._scratch = np.empty(max(nbytes, 4096), dtype=np.uint8)
         return self._scratch
 
+    _scratch_for = scratch_for
+
     # ---- device buffers (hora.core.op.device) -------------------------------------------------
-    def _on_device(self, route: Route, local: list[Entry | None]) -> PlaneRoute | None:
-        """The plane route when this rank's ops of a response all hold device buffers and the
-        route takes them as they are (the device forms, :mod:`hora.core.data.device_exec`, run);
-        otherwise None, after staging any device buffer through host memory (the host forms
-        run). Host arrays alone: None at once (no job on the builtin plane has device
-        buffers: adapters make them only for a plane that takes them)."""
-        if self._config.data_plane == "builtin":
-            return None
-        if isinstance(route, PlaneRoute) and route.native and all(
-                e is None or holds_device(e) for e in local):
-            return route
+    def _on_device(self, route: Route,
+                   local: list[Entry | None]) -> device_exec.DeviceRoute | None:
+        """``route`` when this rank's ops of a response all hold device buffers and the route
+        takes them as they are (:attr:`Route.native`: the device forms,
+        :mod:`hora.core.data.device_exec`, run); otherwise None, after staging any device
+        buffer through host memory (the host forms run). Called only in a job whose plane
+        moves some framework's tensors (adapters make device buffers only for such a plane)."""
+        if route.native and all(e is None or holds_device(e) for e in local):
+            return cast(device_exec.DeviceRoute, route)
         for e in local:
             if e is not None and holds_device(e):
                 stage(e)
@@ -395,6 +383,19 @@ class Executor:
         if self._tl.recording:
             self._tl.op_end(entry.request.name, entry.request.dtype, entry.request.shape)
         _complete(entry, result)
+
+
+HostForm = Callable[[Executor, Route, Response, Entry], Any]
+
+_FORMS: dict[OpKind, tuple[HostForm, device_exec.Form]] = {
+    OpKind.ALLGATHER: (Executor._allgather, device_exec.allgather),
+    OpKind.BROADCAST: (Executor._broadcast, device_exec.broadcast),
+    OpKind.ALLTOALL: (Executor._alltoall, device_exec.alltoall),
+    OpKind.REDUCESCATTER: (Executor._reducescatter, device_exec.reducescatter),
+}
+"""The one dispatch of the data path by op kind, for every collective but allreduce (which
+fuses, :meth:`Executor._allreduce`) and the control ops: (host form, device form). A new
+collective is one row here, its host form and its device form."""
 
 
 def _complete(entry: Entry, result: Any) -> None:

@@ -1,7 +1,8 @@
-"""Routes over an external data plane (``HORA_DATA_PLANE=torch`` or ``mpi``).
+"""Routes over an external data plane (``HORA_DATA_PLANE=torch`` or ``mpi``, or any plane of
+:mod:`hora.core.data.paths`' table with an :class:`~hora.transports.planes.ExternalPlane`).
 
-:func:`build_plane_route` is what :meth:`~hora.core.data.executor.Executor.route_for` builds instead
-of :func:`~hora.core.data.routing.build_route` when the job's data plane is not hora's own. The
+:func:`plane_route` is what such a plane's row builds instead of
+:func:`~hora.core.data.routing.build_route` (hora's own routes). The
 control plane is untouched: rank 0 still negotiates every op, fuses, checks dtypes and shapes,
 detects stalls and deadlocks; the executor still packs the fusion buffer and scales. Only the
 bytes of each collective go through the external engine (:mod:`hora.transports.torch_plane`,
@@ -31,18 +32,16 @@ fails the job on every rank as with the builtin plane.
 
 from __future__ import annotations
 
-import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from hora._util.log import get_logger
-from hora.collectives.broadcast import broadcast
 from hora.collectives.comm import Comm
 from hora.collectives.ops import ReduceOp
 from hora.config import Config
-from hora.core.data.routing import DataPath, Route, build_route, close_quietly
+from hora.core.data.routing import Route, SetSite, build_route, close_quietly
 from hora.core.op.device import DeviceBuffer, scale
 from hora.core.op.entry import Buffer
 from hora.errors import ConfigError
@@ -52,39 +51,12 @@ from hora.transports.tcp import TcpTransport
 log = get_logger(__name__)
 
 
-def check_plane(config: Config, launcher: str, size: int) -> None:
-    """At ``init()``, on every rank alike: the chosen plane can run in this job.
-
-    Raises:
-        ConfigError: the plane's library is missing, or (mpi) the ranks were not started by
-            mpirun, or the job is elastic (MPI's world is fixed when mpirun starts it).
-    """
-    if config.data_plane == "torch":
-        from hora.transports.torch_plane import import_torch
-
-        import_torch()
-    elif config.data_plane == "mpi":
-        if config.elastic:
-            raise ConfigError("HORA_DATA_PLANE=mpi cannot follow an elastic job's changing "
-                              "membership (MPI's world is fixed when mpirun starts it); use "
-                              "the builtin or torch data plane for elastic jobs")
-        if size > 1 and launcher != "mpirun":
-            raise ConfigError(
-                f"HORA_DATA_PLANE=mpi needs ranks started by mpirun, but this job was started "
-                f"by {launcher}: run `hora run --data-plane mpi -np N python train.py` (it "
-                "starts the ranks through mpirun) or `mpirun -np N python train.py`, or choose "
-                "another data plane")
-        from hora.transports.mpi_plane import import_mpi
-
-        import_mpi()
-
-
 class PlaneRoute(Route):
     """A process set's route over an external plane (see the module docstring)."""
 
     def __init__(self, comm: Comm, config: Config, plane: ExternalPlane, watch: PeerWatch,
                  hostnames: Sequence[str], job_id: str) -> None:
-        super().__init__(comm, config, scheme=DataPath(plane.name))
+        super().__init__(comm, config)
         self._plane = plane
         self._watch = watch
         self._hostnames = list(hostnames)
@@ -115,6 +87,10 @@ class PlaneRoute(Route):
         if name and self._plane.reduces(buf.dtype, name):
             return name
         return ""
+
+    @property
+    def name(self) -> str:
+        return self._plane.name
 
     @property
     def native(self) -> bool:
@@ -195,51 +171,22 @@ def _moved(buf: Buffer) -> Any:
     return buf.reshape(-1).view(np.uint8)
 
 
-def build_plane_route(world: Comm, ranks: Sequence[int], comm: Comm, hostnames: Sequence[str],
-                      config: Config, job_id: str, set_id: int) -> Route:
-    """The route of process set ``set_id`` (global ``ranks``, ``comm`` over them, member ``i``
-    on ``hostnames[i]``) over ``config.data_plane`` (collective over the members).
-
-    Args:
-        world: hora's global comm (the TCP transport: its connections are watched).
+def plane_route(site: SetSite, make: Callable[[SetSite], ExternalPlane]) -> Route:
+    """The route of ``site``'s set (more than one rank) over the plane ``make`` builds for it
+    (collective over the members); hora's connections to the members are watched meanwhile.
 
     Raises:
         ConfigError: the plane cannot run here (no TCP transport, library missing, not mpirun).
         RendezvousError / HoraTimeoutError: the members' group could not be built in time.
     """
-    if comm.size == 1:
-        return Route(comm, config)
+    world, config = site.world, site.config
     if not isinstance(world, TcpTransport):
         raise ConfigError(f"HORA_DATA_PLANE={config.data_plane} needs hora's TCP transport "
                           "(a job of several processes)")
+    plane = make(site)
     me = world.rank
-    plane: Any
-    if config.data_plane == "torch":
-        from hora.rendezvous.env import detect
-        from hora.rendezvous.store_client import KVStoreClient
-        from hora.transports.torch_plane import TorchPlane
-
-        token = np.frombuffer(secrets.token_bytes(8), dtype=np.uint8).copy()
-        broadcast(comm, token, 0)  # one scope per group, drawn by its first member
-        info = detect()
-        if info.store_host is None or info.store_port is None:
-            raise ConfigError("HORA_DATA_PLANE=torch: this job has no rendezvous store")
-        client = KVStoreClient(info.store_host, info.store_port, info.secret,
-                               config.timeout_seconds)
-        scope = f"hora.plane.{job_id}.{set_id}.{token.tobytes().hex()}"
-        try:
-            plane = TorchPlane.create(client, scope, comm.rank, comm.size, config.timeout_seconds,
-                                      config.gloo_iface)
-        except BaseException:
-            client.close()
-            raise
-    elif config.data_plane == "mpi":
-        from hora.transports.mpi_plane import MpiPlane
-
-        plane = MpiPlane.create(ranks, me, world.size, set_id, config.timeout_seconds)
-    else:
-        raise ConfigError(f"unknown data plane {config.data_plane!r}")
-    watch = PeerWatch(world, [r for r in ranks if r != me], config.timeout_seconds, plane.name)
+    watch = PeerWatch(world, [r for r in site.ranks if r != me], config.timeout_seconds,
+                      plane.name)
     log.info("process set %d (%d ranks): data plane %s (hora's control plane negotiates)",
-             set_id, comm.size, plane.name)
-    return PlaneRoute(comm, config, plane, watch, hostnames, job_id)
+             site.set_id, site.comm.size, plane.name)
+    return PlaneRoute(site.comm, config, plane, watch, site.hostnames, site.job_id)

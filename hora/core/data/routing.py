@@ -1,24 +1,32 @@
-"""Which data path a process set uses: the TCP ring, shared memory, or hierarchical.
+"""hora's own data paths (the builtin data plane): which route a process set takes, shared
+memory, the TCP ring or hierarchical.
 
 One :class:`Route` per process set, built lazily by every member at the set's first data
 collective (building one is itself collective: shared-memory groups exchange segment names over
 the set's comm). The executor calls the route's methods and never picks algorithms itself.
 
-* all members on one host, more than one of them -> :class:`~hora.collectives.shm.ShmGroup`
-  (unless ``HORA_SHM=0``);
-* members on several hosts with several per host -> hierarchical allreduce (reduce on each host
-  over shared memory, allreduce across hosts over TCP, spread back), unless
+Which route a set gets is one table, :data:`SCHEMES`, tried in order (the first that applies
+and builds wins; :func:`build_route`):
+
+* ``shm``: all members on one host, more than one of them -> :class:`~hora.collectives.shm.ShmGroup`
+  (``HORA_SHM``; an op larger than the segments allow, :meth:`Route.fits`, takes the set's comm);
+* ``hierarchical``: members on several hosts with several per host -> hierarchical allreduce
+  (reduce on each host over shared memory, allreduce across hosts over TCP, spread back), unless
   ``HOROVOD_HIERARCHICAL_ALLREDUCE=0``; hierarchical allgather (gather on each host, exchange
   through one leader per host, broadcast on each host) when ``HOROVOD_HIERARCHICAL_ALLGATHER=1``;
   Adasum follows the allreduce's choice (:mod:`~hora.collectives.hierarchical_adasum`: host
   averages combined across hosts); other collectives use the flat TCP ring;
-* otherwise the TCP ring (or star / recursive doubling, per ``select_allreduce``).
+* ``ring``: otherwise the TCP ring (or star / recursive doubling, per ``select_allreduce``).
+
+The data planes that replace this whole table (``HORA_DATA_PLANE``) are the table of
+:mod:`hora.core.data.paths`.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,6 +39,7 @@ from hora.collectives.alltoall import alltoall
 from hora.collectives.broadcast import broadcast
 from hora.collectives.comm import Comm, SubComm
 from hora.collectives.hierarchical import (
+    HostLayout,
     hierarchical_allreduce,
     host_layout,
     leader_allgather,
@@ -65,8 +74,8 @@ class DataPath(str, enum.Enum):
     SHM = "shm"  # every member on this host, over shared memory
     SHARD = "shard"  # hierarchical across hosts, each host's ranks own a shard
     LEADER = "leader"  # hierarchical across hosts through one leader per host
-    TORCH = "torch"  # an external data plane: torch.distributed (hora.core.data.plane_route)
-    MPI = "mpi"  # an external data plane: MPI through mpi4py (hora.core.data.plane_route)
+    TORCH = "torch"  # an external data plane: torch.distributed (hora.core.data.paths)
+    MPI = "mpi"  # an external data plane: MPI through mpi4py (hora.core.data.paths)
 
     def __str__(self) -> str:
         return self.value
@@ -95,8 +104,15 @@ class Route:
         self._shm_bytes = _shm_limit(group.size if group is not None else 1, shm_free)
 
     @property
-    def name(self) -> DataPath:
+    def name(self) -> str:
+        """The data path's name (logs, the timeline): a :class:`DataPath`, or a plane's name."""
         return self.scheme
+
+    @property
+    def native(self) -> bool:
+        """Whether the route takes device buffers (:mod:`hora.core.op.device`) as they are: the
+        executor's device forms (:mod:`hora.core.data.device_exec`) run on it."""
+        return False
 
     def _shm_fits(self, nbytes: int) -> bool:
         return nbytes <= self._shm_bytes
@@ -221,30 +237,96 @@ def _shm_limit(size: int, free: int) -> int:
     return capacity
 
 
+@dataclass(frozen=True)
+class SetSite:
+    """One process set seen from this rank: what a data path's factory builds the set's route
+    from (building is collective: every member builds at the same response)."""
+
+    world: Comm
+    """hora's global comm (the job's transport; an external plane watches its connections)."""
+    ranks: Sequence[int]
+    """The set's global ranks."""
+    comm: Comm
+    """A comm over the set's members (member ``i`` is ``ranks[i]``)."""
+    hostnames: Sequence[str]
+    """The host of each member."""
+    config: Config
+    job_id: str
+    set_id: int = 0
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One of hora's own routes, a row of :data:`SCHEMES`.
+
+    Attributes:
+        name: the route's name in this table.
+        selected_by: the knobs that turn it on or off (docs/config.md), for readers.
+        applies: whether it may serve the set (``site``, this rank's host layout): decided
+            from every member's host and the config, so every member decides alike.
+        build: the route (collective), or None when it cannot be built here (every member gets
+            None together: the next row is tried).
+        per_op: which ops of the set it takes, for readers (the route's methods decide).
+    """
+
+    name: str
+    selected_by: str
+    applies: Callable[[SetSite, HostLayout], bool]
+    build: Callable[[SetSite, HostLayout], Route | None]
+    per_op: str = "every op"
+
+
 def build_route(comm: Comm, hostnames: Sequence[str], config: Config, job_id: str) -> Route:
-    """Build the route of a set whose member ``i`` runs on ``hostnames[i]`` (collective)."""
+    """Build the route of a set whose member ``i`` runs on ``hostnames[i]`` (collective): the
+    first row of :data:`SCHEMES` that applies and builds."""
     if comm.size == 1:
         return Route(comm, config)
+    site = SetSite(comm, range(comm.size), comm, hostnames, config, job_id)
     layout = host_layout(hostnames, comm.rank)
-    if layout.scheme == "local":
-        group, free = _shm_group(comm, config, job_id) if config.shm else (None, 0)
-        if group is None:
-            return Route(comm, config)
-        log.debug("process set of %d ranks on one host: shared memory", comm.size)
-        return Route(comm, config, group=group, shm_free=free, scheme=DataPath.SHM,
-                     lane_group=_lane_group(comm, config, job_id))
-    # Decided from every member's host, never this rank's alone, so all members choose alike.
+    for scheme in SCHEMES:
+        if scheme.applies(site, layout):
+            route = scheme.build(site, layout)
+            if route is not None:
+                return route
+    return Route(comm, config)
+
+
+def _one_host(site: SetSite, layout: HostLayout) -> bool:
+    return layout.scheme == "local" and site.config.shm
+
+
+def _shm_route(site: SetSite, layout: HostLayout) -> Route | None:
+    comm, config, job_id = site.comm, site.config, site.job_id
+    group, free = _shm_group(comm, config, job_id)
+    if group is None:
+        return None
+    log.debug("process set of %d ranks on one host: shared memory", comm.size)
+    return Route(comm, config, group=group, shm_free=free, scheme=DataPath.SHM,
+                 lane_group=_lane_group(comm, config, job_id))
+
+
+def _choices(site: SetSite) -> tuple[bool, bool]:
+    """(hierarchical allreduce, hierarchical allgather) of a set across hosts: decided from
+    every member's host, never this rank's alone, so all members choose alike."""
+    hostnames = site.hostnames
     several = len(set(hostnames)) < len(hostnames)  # some host has several ranks
-    hierarchical = config.hierarchical_allreduce
+    hierarchical = site.config.hierarchical_allreduce
     if hierarchical is None:  # automatic: worth it when some host has several ranks
         hierarchical = several
-    gather = config.hierarchical_allgather and several
-    if not hierarchical and not gather:
-        return Route(comm, config)
+    return hierarchical, site.config.hierarchical_allgather and several
+
+
+def _across_hosts(site: SetSite, layout: HostLayout) -> bool:
+    return layout.scheme != "local" and any(_choices(site))
+
+
+def _hierarchical_route(site: SetSite, layout: HostLayout) -> Route:
+    comm, config = site.comm, site.config
+    hierarchical, gather = _choices(site)
     local_comm: Comm = SubComm(comm, layout.local)
     local: ShmGroup | Comm = local_comm
     if config.shm and len(layout.local) > 1:
-        group, _ = _shm_group(local_comm, config, job_id)
+        group, _ = _shm_group(local_comm, config, site.job_id)
         local = group if group is not None else local_comm
     cross = SubComm(comm, layout.cross) if layout.cross is not None else None
     if hierarchical:
@@ -255,6 +337,30 @@ def build_route(comm: Comm, hostnames: Sequence[str], config: Config, job_id: st
     return Route(comm, config, scheme=DataPath(layout.scheme) if hierarchical else DataPath.RING,
                  local=local, cross=cross, gather_hosts=layout.hosts if gather else None,
                  hosts=len(layout.hosts))
+
+
+SCHEMES: list[Scheme] = [
+    Scheme("shm", "HORA_SHM", _one_host, _shm_route,
+           "ops that fit the shared segments (Route.fits); larger ones over the set's comm"),
+    Scheme("hierarchical", "HOROVOD_HIERARCHICAL_ALLREDUCE, HOROVOD_HIERARCHICAL_ALLGATHER",
+           _across_hosts, _hierarchical_route,
+           "allreduce and Adasum (allgather when HOROVOD_HIERARCHICAL_ALLGATHER=1); the rest "
+           "over the flat ring"),
+    Scheme("ring", "HORA_ALLREDUCE_ALGORITHM, HORA_SMALL_ALLREDUCE_BYTES",
+           lambda site, layout: True, lambda site, layout: Route(site.comm, site.config),
+           "every op; the allreduce's algorithm by size (select_allreduce)"),
+]
+"""hora's own routes, tried in order by :func:`build_route`; a transport that brings its own
+route adds one row (:func:`register_scheme`)."""
+
+
+def register_scheme(scheme: Scheme, *, before: str = "ring") -> None:
+    """Add ``scheme`` to :data:`SCHEMES` just before the row named ``before`` (replacing a row
+    of the same name)."""
+    rows = [s for s in SCHEMES if s.name != scheme.name]
+    at = next((i for i, s in enumerate(rows) if s.name == before), len(rows))
+    rows.insert(at, scheme)
+    SCHEMES[:] = rows
 
 
 def _shm_group(comm: Comm, config: Config, job_id: str) -> tuple[ShmGroup | None, int]:

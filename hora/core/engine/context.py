@@ -21,7 +21,7 @@ from hora._util import log as hlog
 from hora._util.lifetime import die_with_parent
 from hora._util.net import interface_address, is_loopback, route_source
 from hora.config import Config
-from hora.core.data.plane_route import check_plane
+from hora.core.data import paths
 from hora.core.engine import affinity
 from hora.core.engine.engine import Engine
 from hora.core.op import device
@@ -36,6 +36,7 @@ from hora.errors import (
     RendezvousTimeoutError,
 )
 from hora.rendezvous.topology import compute_topology
+from hora.transports import registry as transports
 from hora.transports.base import Transport
 
 log = hlog.get_logger(__name__)
@@ -168,7 +169,8 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
             closers=closers,
         )
         _dynamic = dynamic
-        device.configure(config.data_plane)  # adapters hand over device buffers from now on
+        # adapters hand over device buffers from now on, for the frameworks the plane takes
+        device.configure(paths.native_frameworks(config))
         if dynamic:
             os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
         engine.start(cpu_core=core)
@@ -189,33 +191,31 @@ def _connect(config: Config, scope: str, sets: list[ProcessSet], dynamic: bool, 
 
     info = detect()
     hlog.set_rank(info.rank, info.size)
-    check_plane(config, info.launcher, info.size)  # every rank alike, before connecting
+    paths.check_plane(config, info.launcher, info.size)  # every rank alike, before connecting
     if info.launcher == "mpirun" and os.environ.get("HORA_LAUNCHER") == "hora run":
         die_with_parent()  # hora run --data-plane mpi: killing it must not leave ranks behind
     if info.rank == 0:
         _warn_unknown_horovod_vars()
     closers: list[Any] = []
     transport: Transport
-    if info.size == 1 and info.launcher == "single":
-        from hora.transports.loopback import make_world
-
-        transport = make_world(1, timeout=config.timeout_seconds)[0]
-        return info, transport, [info.hostname], closers
+    kind = transports.choose(info.size, info.launcher)
+    if not kind.store:  # (a process alone: the loopback transport)
+        transport, hostnames = kind.make(transports.Meeting(
+            info.rank, info.size, info.launcher, info.hostname, config.timeout_seconds))
+        return info, transport, hostnames, closers
     store, server = bootstrap(info, timeout=config.start_timeout)
     closers.extend(c for c in (store, server) if c is not None)
     if store is None:
         raise RendezvousError("no rendezvous store for a multi-rank job")
-    from hora.transports.tcp import TcpTransport
-
     # An elastic generation's members are all running already: one that does not show up
     # within seconds died after the driver formed the generation.
     idle = min(config.start_timeout, ELASTIC_CONNECT_IDLE_S) if elastic else config.start_timeout
     try:
-        transport = TcpTransport.create(
-            info.rank, info.size, store, scope=scope, secret=info.secret,
-            bind_host=_bind_host(info.store_host or "", config), hostname=info.hostname,
-            timeout=config.timeout_seconds, connect_timeout=idle,
-            connect_cap=config.start_timeout_cap)
+        transport, hostnames = kind.make(transports.Meeting(
+            info.rank, info.size, info.launcher, info.hostname, config.timeout_seconds,
+            store=store, scope=scope, secret=info.secret,
+            bind_host=_bind_host(info.store_host or "", config), connect_timeout=idle,
+            connect_cap=config.start_timeout_cap))
     except (HoraInternalError, RendezvousTimeoutError) as exc:
         for c in closers:
             c.close()
@@ -229,7 +229,7 @@ def _connect(config: Config, scope: str, sets: list[ProcessSet], dynamic: bool, 
             c.close()
         raise
     _check_process_sets(store, scope, info.rank, info.size, sets, dynamic, transport, closers)
-    return info, transport, list(transport.hostnames), closers
+    return info, transport, hostnames, closers
 
 
 _warned_vars: set[str] = set()
@@ -254,7 +254,7 @@ def shutdown() -> None:
         ctx, current = current, None
         if ctx is None:
             return
-        device.configure("builtin")
+        device.configure(())
         try:
             ctx.engine.stop()
         finally:

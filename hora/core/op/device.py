@@ -26,9 +26,6 @@ import numpy as np
 
 from hora.collectives.ops import scale_inplace, scale_mode
 
-NATIVE: dict[str, tuple[str, ...]] = {"torch": ("torch",)}
-"""Data plane -> the frameworks whose tensors it moves as they are (no host copy)."""
-
 native_frameworks: tuple[str, ...] = ()
 """The frameworks whose tensors this job's data plane moves as they are (see :func:`native`;
 adapters read it on every op)."""
@@ -112,10 +109,11 @@ class DeviceBuffer(abc.ABC):
         """Copy ``host``'s values in (nothing when ``host`` is :meth:`to_host`'s view)."""
 
 
-def configure(data_plane: str) -> None:
-    """At ``init()``: the frameworks whose tensors this job's data plane takes as they are."""
+def configure(frameworks: tuple[str, ...] = ()) -> None:
+    """At ``init()``: the frameworks whose tensors this job's data plane takes as they are (its
+    row's ``native`` in :mod:`hora.core.data.paths`; none after ``shutdown()``)."""
     global native_frameworks
-    native_frameworks = NATIVE.get(data_plane, ())
+    native_frameworks = tuple(frameworks)
 
 
 def native(framework: str) -> bool:
@@ -146,5 +144,5 @@ def scale(buf: np.ndarray | DeviceBuffer, factor: float) -> None:
         scale_inplace(buf, factor)
 
 
-__all__ = ["NATIVE", "DeviceBuffer", "allocator", "configure", "native", "register_allocator",
+__all__ = ["DeviceBuffer", "allocator", "configure", "native", "register_allocator",
            "scale"]
