@@ -50,6 +50,7 @@ from hora.jax.ops import (
     reducescatter,
 )
 from hora.jax.optimizer import DistributedOptimizer
+from hora.jax.sharded import ShardedOptimizer  # hora-only: ZeRO-style sharded state
 
 __all__ = [
     *_basics.__all__,
@@ -58,5 +59,5 @@ __all__ = [
     "broadcast_async", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
     "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
     "grouped_allreduce_async", "grouped_reducescatter", "grouped_reducescatter_async", "join",
-    "poll", "reducescatter", "reducescatter_async", "synchronize",
+    "poll", "reducescatter", "reducescatter_async", "synchronize", "ShardedOptimizer",
 ]

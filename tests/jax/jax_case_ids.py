@@ -40,5 +40,12 @@ ADASUM = ["adasum-allreduce-eager", "adasum-allreduce-jit", "adasum-tree",
 """The cases of group_jax_adasum.py (test_jax_adasum.py)."""
 
 
+SHARDED = ["sharded-equivalence", "sharded-state-bytes", "sharded-full-state",
+           "sharded-accumulation", "sharded-eager"]
+"""The cases of group_jax_sharded.py (test_jax_sharded.py)."""
+
+
 def ids(group: str) -> list[str]:
+    if group == "group_jax_sharded":
+        return SHARDED
     return ADASUM if group == "group_jax_adasum" else all_ids()
