@@ -182,8 +182,38 @@ def _spell(family: _sp.OpForm, public: str, inplace: bool, wait: bool) -> Any:
     return _sp.spell(_NUMPY, family, public, inplace=inplace, wait=wait, module=__name__)
 
 
-allreduce = _spell(_sp.ALLREDUCE, "allreduce", False, True)
-allreduce_ = _spell(_sp.ALLREDUCE, "allreduce_", True, True)
+_allreduce = _spell(_sp.ALLREDUCE, "allreduce", False, True)
+_allreduce_ = _spell(_sp.ALLREDUCE, "allreduce_", True, True)
+
+
+def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
+              op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> Any:
+    if type(tensor) is np.ndarray and average is None and (op is None or type(op) is ReduceOp):
+        # What a training loop does every step: an array and an op constant. The same call as
+        # the op form's (which also takes array-likes and resolves ``average`` or an int op),
+        # without the bridge's calls: the core reduces into a new 64-byte aligned array.
+        return _api.allreduce_async(tensor, name=name, op=ReduceOp.Average if op is None else op,
+                                    prescale_factor=prescale_factor,
+                                    postscale_factor=postscale_factor, process_set=process_set,
+                                    sync=True).wait()
+    return _allreduce(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def allreduce_(tensor: Any, average: bool | None = None, name: str | None = None,
+               op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> Any:
+    if type(tensor) is np.ndarray and average is None and (op is None or type(op) is ReduceOp):
+        # (as allreduce above, in place)
+        return _api.allreduce_async(tensor, name=name, op=ReduceOp.Average if op is None else op,
+                                    prescale_factor=prescale_factor,
+                                    postscale_factor=postscale_factor, process_set=process_set,
+                                    inplace=True, sync=True).wait()
+    return _allreduce_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+
+
+allreduce.__doc__ = _allreduce.__doc__
+allreduce_.__doc__ = _allreduce_.__doc__
 allreduce_async = _spell(_sp.ALLREDUCE, "allreduce_async", False, False)
 allreduce_async_ = _spell(_sp.ALLREDUCE, "allreduce_async_", True, False)
 grouped_allreduce = _spell(_sp.GROUPED_ALLREDUCE, "grouped_allreduce", False, True)

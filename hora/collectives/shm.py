@@ -16,7 +16,8 @@ a segment again (two collectives later) every peer has signalled it in the colle
 between, i.e. has finished reading it. A collective that signals nothing (one rank, empty
 buffers) does not count: it leaves the parity as it is.
 
-Allreduce has three algorithms (:mod:`hora.collectives.shm_allreduce`), picked by
+Allreduce has three algorithms (:func:`replicated` here, the others in
+:mod:`hora.collectives.shm_allreduce`), picked by
 :func:`hora.collectives.select.select_shm_allreduce` and by whether the buffer is a
 :meth:`ShmGroup.staging` view: ``replicated`` (small buffers, one signal round), ``chunked``
 (large private buffers: owner-computes, pipelined over cache-sized chunk slots) and ``staged``
@@ -47,7 +48,7 @@ from hora.collectives._buffers import (
     offsets,
 )
 from hora.collectives.comm import U8, Fabric
-from hora.collectives.ops import REDUCIBLE, ReduceOp, reduce_inplace, scale_inplace
+from hora.collectives.ops import REDUCIBLE, UFUNCS, ReduceOp, reduce_inplace, scale_inplace
 from hora.collectives.select import (
     SHM_CHUNK_BYTES,
     SHM_CHUNK_BYTES_OVERSUBSCRIBED,
@@ -59,6 +60,32 @@ from hora.collectives.shm_allreduce import sync, view
 from hora.errors import MismatchError, TransportError
 
 _TABLE_ALIGN = 64
+
+
+def replicated(fabric: Fabric, buf: Array, op: ReduceOp, parity: int, src: Array | None = None,
+               postscale: float = 1.0) -> None:
+    """The shared-memory allreduce of small buffers (one signal round): copy this rank's input
+    into its segment, signal, and fold every rank's copy into ``buf`` in rank order, the same
+    bytes on every rank; then multiply by ``postscale``. ``src``: this rank's input when it is
+    not in ``buf``. Here rather than in :mod:`hora.collectives.shm_allreduce` with the other
+    algorithms because it is the small allreduce of every fast-lane step: written out with as
+    few calls as it takes."""
+    nbytes, dtype, rank = buf.nbytes, buf.dtype, fabric.rank
+    data = buf if src is None else src
+    mine = fabric.reserve(parity, nbytes)[:nbytes].view(dtype)
+    mine[...] = data
+    fabric.wait_all(fabric.post())
+    ufunc = UFUNCS[op]
+    if ufunc is np.add and dtype == np.bool_:
+        ufunc = np.logical_or
+    # ((x0 op x1) op x2) ... on every rank: the same bytes everywhere
+    first = data if rank == 0 else fabric.peer(0, parity, nbytes)[:nbytes].view(dtype)
+    for j in range(1, fabric.size):
+        ufunc(first, mine if j == rank else fabric.peer(j, parity, nbytes)[:nbytes].view(dtype),
+              out=buf)
+        first = buf
+    if postscale != 1.0:
+        scale_inplace(buf, postscale)
 
 
 class _Collective:
@@ -101,7 +128,10 @@ class ShmGroup:
         self._staged: tuple[int, int] | None = None  # (parity, nbytes) handed out by staging()
         self._broken: str | None = None
         self._scratch = np.empty(SHM_SMALL_ALLREDUCE_BYTES, np.uint8)
-        self._cores = usable_cpus()
+        # every rank has a core of its own when the group's ranks together may use as many
+        # (ShmFabric.cores: the union of their affinity masks; a launcher that binds each rank to
+        # one core leaves each process a single core, which is not oversubscription)
+        self._cores: int = getattr(fabric, "cores", 0) or usable_cpus()
         self._size = fabric.size
         self._replicated_bytes = shm_replicated_bytes(fabric.size)
 
@@ -234,7 +264,7 @@ class ShmGroup:
             elif staged:
                 shm_allreduce.staged(self._fabric, buf, op, parity, postscale)
             elif choice == "replicated":
-                shm_allreduce.replicated(self._fabric, buf, op, parity, src, postscale)
+                replicated(self._fabric, buf, op, parity, src, postscale)
             else:
                 chunk = (nbytes if nbytes <= SHM_ONE_CHUNK_BYTES else SHM_CHUNK_BYTES
                          if self._size <= self._cores else SHM_CHUNK_BYTES_OVERSUBSCRIBED)
@@ -377,4 +407,4 @@ class ShmGroup:
         self._fabric.close()
 
 
-__all__ = ["Fabric", "ShmGroup"]
+__all__ = ["Fabric", "ShmGroup", "replicated"]

@@ -5,12 +5,13 @@ element-wise op and the collective's segment *parity* (see :mod:`hora.collective
 two segments make a final barrier unnecessary). Every rank ends with identical bytes: each
 element is reduced by exactly one rank in a fixed order, or by every rank in the same order.
 Each also multiplies the result by a *postscale* (an Average's ``1/size``) where it is still
-in cache: the rank that reduces a slice scales it before publishing it. :func:`replicated` and
+in cache: the rank that reduces a slice scales it before publishing it. ``replicated`` and
 :func:`chunked` may read this rank's input from a separate ``src`` (the caller's tensor; the
 buffer is then only written), which saves copying it into the buffer first.
 
-* :func:`replicated` (small buffers, one signal round): copy in, signal, every rank folds every
-  rank's copy into its buffer in rank order.
+* ``replicated`` (small buffers, one signal round: copy in, signal, every rank folds every
+  rank's copy into its buffer in rank order) is :func:`hora.collectives.shm.replicated`, beside
+  its one caller: it is the small allreduce of every fast-lane step, so its path stays short.
 * :func:`chunked` (large private buffers, two signals per chunk): per chunk of
   :data:`~hora.collectives.select.SHM_CHUNK_BYTES`, rank ``r`` exports the slices other ranks
   own into a slot of its segment, reduces its own slice straight from the peers' slots into its
@@ -36,7 +37,7 @@ import numpy as np
 
 from hora.collectives._buffers import Array, even_counts, offsets
 from hora.collectives.comm import U8, Fabric
-from hora.collectives.ops import UFUNCS, ReduceOp, reduce_inplace, reduce_into, scale_inplace
+from hora.collectives.ops import ReduceOp, reduce_inplace, reduce_into, scale_inplace
 
 
 def view(raw: U8, nbytes: int, dtype: np.dtype[Any]) -> Array:
@@ -53,27 +54,6 @@ def segments(fabric: Fabric, parity: int, nbytes: int, dtype: np.dtype[Any]) -> 
     """Every rank's segment ``parity`` as ``dtype`` (this rank's own included), in rank order."""
     return [view(fabric.own(parity) if j == fabric.rank else fabric.peer(j, parity, nbytes),
                  nbytes, dtype) for j in range(fabric.size)]
-
-
-def replicated(fabric: Fabric, buf: Array, op: ReduceOp, parity: int, src: Array | None = None,
-               postscale: float = 1.0) -> None:
-    # (the small allreduce of every fast-lane step: written out with as few calls as it takes)
-    nbytes, dtype, rank = buf.nbytes, buf.dtype, fabric.rank
-    data = buf if src is None else src
-    mine = fabric.reserve(parity, nbytes)[:nbytes].view(dtype)
-    mine[...] = data
-    fabric.wait_all(fabric.post())
-    ufunc = UFUNCS[op]
-    if ufunc is np.add and dtype == np.bool_:
-        ufunc = np.logical_or
-    # ((x0 op x1) op x2) ... on every rank: the same bytes everywhere
-    first = data if rank == 0 else fabric.peer(0, parity, nbytes)[:nbytes].view(dtype)
-    for j in range(1, fabric.size):
-        ufunc(first, mine if j == rank else fabric.peer(j, parity, nbytes)[:nbytes].view(dtype),
-              out=buf)
-        first = buf
-    if postscale != 1.0:
-        scale_inplace(buf, postscale)
 
 
 LOOKAHEAD = 1
@@ -166,5 +146,5 @@ def staged(fabric: Fabric, buf: Array, op: ReduceOp, parity: int,
     sync(fabric)  # nobody reads this segment any more: the caller may write the buffer
 
 
-__all__ = ["LOOKAHEAD", "SLOTS", "chunked", "replicated", "segments", "staged", "staged_small",
+__all__ = ["LOOKAHEAD", "SLOTS", "chunked", "segments", "staged", "staged_small",
            "sync", "view"]

@@ -73,13 +73,18 @@ BOARD_WORDS = HEADER_BYTES // 4 - BOARD_WORD
 
 SPIN_CHECKS = 300
 """Counter checks before a wait blocks in the kernel when every rank of the group can have a
-core: ~15-30 us of a Python loop, enough to catch a peer a phase behind on another core (2 ranks
-on 2 cores, measured: 4 KiB allreduce ~12 us with it, ~18-55 us with 0-30 checks)."""
+core (:attr:`ShmFabric.cores`): ~15-30 us of a Python loop, long enough to catch a peer that is
+a phase behind on another core without the futex sleep and wake-up (tens of microseconds each),
+short enough to be small next to a collective of a few MiB. The measurements:
+docs/benchmarks.md, "Measurements behind the code's constants"."""
 
 SPIN_CHECKS_OVERSUBSCRIBED = 30
-"""Counter checks when the group has more ranks than this process may use cores: a spinning
-rank then steals the core the rank it waits for needs (4 ranks on 2 cores, measured: barrier
-~40 us with 0-100 checks, 110-250 us with 300, over a millisecond with 3000)."""
+"""Counter checks when the group has more ranks than its members may use cores: a spinning rank
+then steals the core that the rank it waits for needs, so it goes to sleep almost at once
+(docs/benchmarks.md, "Measurements behind the code's constants")."""
+
+AFFINITY_BYTES = 128
+"""Bytes of the CPU mask each rank sends when a group is created (CPUs 0-1023)."""
 
 WAIT_SLICE_S = 0.05
 """A blocked wait wakes at least this often to check its deadline and the peer's liveness."""
@@ -117,7 +122,7 @@ class ShmFabric:
     """
 
     def __init__(self, comm: Comm, group: str, timeout: float, segments: list[Segment],
-                 peers: dict[int, list[Segment]]) -> None:
+                 peers: dict[int, list[Segment]], cores: int = 0) -> None:
         self._comm = comm
         self.group = group
         self.timeout = timeout
@@ -132,7 +137,12 @@ class ShmFabric:
         self._peer_counters = {p: s[0].address + 4 * _W_COUNTER for p, s in peers.items()}
         self._peer_start = {p: self._verifiable_start(h) for p, h in self._peer_headers.items()}
         self._lost_global = getattr(comm, "ranks", None)
-        self._spin = (SPIN_CHECKS if self.size <= usable_cpus() else SPIN_CHECKS_OVERSUBSCRIBED
+        self.cores = cores or usable_cpus()
+        """CPU cores the group's ranks may run on, together (the union of their affinity masks,
+        exchanged by :meth:`create`): ``size <= cores`` means every rank can have a core of its
+        own, also when a launcher binds each rank to one core (``mpirun``: one core per
+        process, two cores for the group)."""
+        self._spin = (SPIN_CHECKS if self.size <= self.cores else SPIN_CHECKS_OVERSUBSCRIBED
                       ) if SPIN_ALLOWED else 0
 
     # -- construction --
@@ -151,9 +161,10 @@ class ShmFabric:
         if not valid_job_id(job_id):
             job_id = job_id_for(job_id, None)
         _sweep_once()
-        tokens = _exchange(comm, secrets.token_bytes(8))
-        group = tokens[0].hex()
-        token = int.from_bytes(tokens[0], "little")
+        records = _exchange(comm, secrets.token_bytes(8) + _affinity_record())
+        group = records[0][:8].hex()
+        token = int.from_bytes(records[0][:8], "little")
+        cores = _group_cores([r[8:] for r in records])
         rank, size = comm.rank, comm.size
         own: list[Segment] = []
         peers: dict[int, list[Segment]] = {}
@@ -184,8 +195,8 @@ class ShmFabric:
             for seg in own + [s for segs in peers.values() for s in segs]:
                 seg.close()
             raise
-        fabric = cls(comm, group, timeout, own, peers)
-        log.debug("shm group %s: %d ranks, job %s", group, size, job_id)
+        fabric = cls(comm, group, timeout, own, peers, cores)
+        log.debug("shm group %s: %d ranks on %d cores, job %s", group, size, cores, job_id)
         return fabric
 
     def _verifiable_start(self, header: memoryview) -> int | None:
@@ -400,6 +411,27 @@ def _open_peer(job_id: str, group: str, peer: int, token: int) -> list[Segment]:
     return segs
 
 
+def _affinity_record() -> bytes:
+    """This process's CPU mask as :data:`AFFINITY_BYTES` bytes (bit ``c``: CPU ``c``); all ones
+    where the mask cannot be read (every CPU)."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return b"\xff" * AFFINITY_BYTES
+    mask = 0
+    for cpu in cpus:
+        mask |= 1 << min(cpu, 8 * AFFINITY_BYTES - 1)
+    return mask.to_bytes(AFFINITY_BYTES, "little")
+
+
+def _group_cores(masks: list[bytes]) -> int:
+    """Cores in the union of the ranks' masks (at least 1): what the group may run on."""
+    union = 0
+    for mask in masks:
+        union |= int.from_bytes(mask, "little")
+    return max(1, bin(union).count("1"))
+
+
 def _agree(comm: Comm, error: BaseException | None, doing: str) -> None:
     """All ranks learn whether every rank succeeded; all raise if one failed."""
     flags = _exchange(comm, b"\x00" if error is None else b"\x01")
@@ -412,5 +444,5 @@ def _agree(comm: Comm, error: BaseException | None, doing: str) -> None:
     raise TransportError(f"{names} could not {doing}; see that rank's error")
 
 
-__all__ = ["BOARD_WORD", "BOARD_WORDS", "HEADER_BYTES", "SPIN_CHECKS", "SPIN_CHECKS_OVERSUBSCRIBED",
-           "WAIT_SLICE_S", "ShmFabric"]
+__all__ = ["AFFINITY_BYTES", "BOARD_WORD", "BOARD_WORDS", "HEADER_BYTES", "SPIN_CHECKS",
+           "SPIN_CHECKS_OVERSUBSCRIBED", "WAIT_SLICE_S", "ShmFabric"]
