@@ -84,6 +84,18 @@ def test_a_set_of_one_rank_takes_no_plane() -> None:
     assert type(route) is Route and route.name == DataPath.RING
 
 
+def test_every_data_collective_has_one_row_of_forms() -> None:
+    """The executor's one dispatch by op kind: each collective but allreduce (fused) and the
+    control ops has a host form and a device form, of one signature."""
+    from hora.core.data import executor
+
+    control = {OpKind.BARRIER, OpKind.JOIN, OpKind.ADD_PROCESS_SET, OpKind.REMOVE_PROCESS_SET,
+               OpKind.ERROR}
+    assert set(executor._FORMS) == set(OpKind) - control - {OpKind.ALLREDUCE}
+    for host, on_device in executor._FORMS.values():
+        assert host.__name__.lstrip("_") == on_device.__name__
+
+
 # ---- hora's own routes: the schemes' table ------------------------------------------------------
 class _NoComm:
     rank, size = 0, 0
