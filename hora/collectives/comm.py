@@ -138,8 +138,9 @@ class Fabric(Protocol):
         """Signal every peer; returns this rank's signal count."""
         ...
 
-    def wait_all(self, target: int) -> None:
-        """Wait until every peer has posted ``target`` signals."""
+    def wait_all(self, target: int, spins: int = 0) -> None:
+        """Wait until every peer has posted ``target`` signals; ``spins``: check at least this
+        many times before sleeping where every rank has a core (a wait expected to be long)."""
         ...
 
     @property

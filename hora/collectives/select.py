@@ -110,16 +110,16 @@ def select_broadcast(nbytes: int, size: int, chunk_bytes: int = PIPELINE_CHUNK_B
 SHM_SMALL_ALLREDUCE_BYTES = 256 * 1024
 """Largest buffer the shared-memory allreduce handles with the ``replicated`` algorithm (one
 signal round; every rank reduces every rank's copy) instead of ``chunked`` (two signals per
-chunk; each rank reduces only its slice). The redundant reductions are in-cache work (~20 GB/s)
-while every extra signal round risks waiting for a peer that is not running; above this size on
-more than 2 ranks the chunked algorithm's smaller memory traffic wins (the measurements:
-docs/benchmarks.md, "Measurements behind the code's constants")."""
+chunk; each rank reduces only its slice). The redundant reductions are in-cache work, cheaper
+than the second signal round, which risks waiting for a peer that is not running; above this
+size on more than 2 ranks the chunked algorithm's smaller memory traffic wins (the
+measurements: docs/benchmarks.md, "Measurements behind the code's constants")."""
 
 SHM_CHUNK_BYTES = 512 * 1024
 """Chunk of the ``chunked`` shared-memory allreduce for buffers over
 :data:`SHM_ONE_CHUNK_BYTES` when every rank of the group can have a core. Each rank's working
 set (a few chunks of its buffer and five chunk slots of segments) stays in the 2 MiB per-core
-L2, so data crosses cores through the cache; each chunk's two signals (~2-5 us each when both
+L2, so data crosses cores through the cache; each chunk's two signals (microseconds when both
 ranks run) stay small next to its copy-and-reduce time. Smaller chunks pay more signals, larger
 ones fall out of L2 (measured against 128 KiB-4 MiB: docs/benchmarks.md, "Measurements behind
 the code's constants")."""

@@ -39,15 +39,24 @@ from hora.collectives._buffers import Array, even_counts, offsets
 from hora.collectives.comm import U8, Fabric
 from hora.collectives.ops import ReduceOp, reduce_inplace, reduce_into, scale_inplace
 
+WAIT_SPIN_BYTES = 256
+"""A wait that follows a step over ``n`` bytes (a chunk exported or reduced by the peer) checks
+the peer's counter at least ``n // WAIT_SPIN_BYTES`` times before it sleeps (where every rank
+has a core): about as long as the peer's step itself takes (a check costs a few dozen
+nanoseconds of Python, a byte a fraction of one), so a peer a step behind is caught without a
+futex sleep and wake-up, whose latency grows to a scheduler tick when other processes want the
+core. A rank that spins there only holds its own core, which it needs again at once."""
+
 
 def view(raw: U8, nbytes: int, dtype: np.dtype[Any]) -> Array:
     """The first ``nbytes`` of a uint8 segment as ``dtype``."""
     return raw[:nbytes].view(dtype)
 
 
-def sync(fabric: Fabric) -> None:
-    """Post one signal and wait for every peer's matching one."""
-    fabric.wait_all(fabric.post())
+def sync(fabric: Fabric, nbytes: int = 0) -> None:
+    """Post one signal and wait for every peer's matching one (after a step over ``nbytes``:
+    :data:`WAIT_SPIN_BYTES`)."""
+    fabric.wait_all(fabric.post(), nbytes // WAIT_SPIN_BYTES)
 
 
 def segments(fabric: Fabric, parity: int, nbytes: int, dtype: np.dtype[Any]) -> list[Array]:
@@ -78,6 +87,7 @@ def chunked(fabric: Fabric, buf: Array, op: ReduceOp, parity: int, chunk_bytes: 
     others = [j for j in range(size) if j != rank]
     exported: list[int] = []  # this rank's signal count after exporting chunk c (so: a peer's)
     reduced: list[int] = []
+    spins = per_chunk * buf.itemsize // WAIT_SPIN_BYTES
 
     def layout(chunk: int) -> tuple[int, int, list[int]]:
         """Chunk start in buf, slot start in the segments, slice bounds within the chunk."""
@@ -95,7 +105,7 @@ def chunked(fabric: Fabric, buf: Array, op: ReduceOp, parity: int, chunk_bytes: 
         chunk = step - LOOKAHEAD
         if 0 <= chunk < nchunks:  # reduce this rank's slice straight into buf, publish it
             lo, slot, b = layout(chunk)
-            fabric.wait_all(exported[chunk])
+            fabric.wait_all(exported[chunk], spins)
             if not segs:
                 segs = segments(fabric, parity, need, buf.dtype)
             own = buf[lo + b[rank]:lo + b[rank + 1]]
@@ -109,7 +119,7 @@ def chunked(fabric: Fabric, buf: Array, op: ReduceOp, parity: int, chunk_bytes: 
         chunk = step - 2 * LOOKAHEAD
         if 0 <= chunk < nchunks:  # import the slices other ranks reduced
             lo, slot, b = layout(chunk)
-            fabric.wait_all(reduced[chunk])
+            fabric.wait_all(reduced[chunk], spins)
             for j in others:
                 np.copyto(buf[lo + b[j]:lo + b[j + 1]], segs[j][slot + b[j]:slot + b[j + 1]])
 
@@ -132,19 +142,20 @@ def staged(fabric: Fabric, buf: Array, op: ReduceOp, parity: int,
            postscale: float = 1.0) -> None:
     rank, size = fabric.rank, fabric.size
     b = offsets(even_counts(buf.size, size))
-    sync(fabric)  # every rank's packed data is in place
+    sync(fabric, buf.nbytes)  # every rank's packed data is in place
     segs = segments(fabric, parity, buf.nbytes, buf.dtype)
     own = buf[b[rank]:b[rank + 1]]
     for j in range(size):
         if j != rank:
             reduce_inplace(own, segs[j][b[rank]:b[rank + 1]], op)
     scale_inplace(own, postscale)
-    sync(fabric)
+    sync(fabric, own.nbytes)
     for j in range(size):
         if j != rank:
             np.copyto(buf[b[j]:b[j + 1]], segs[j][b[j]:b[j + 1]])
-    sync(fabric)  # nobody reads this segment any more: the caller may write the buffer
+    # nobody reads this segment any more once every peer imported: the caller may write it
+    sync(fabric, buf.nbytes - own.nbytes)
 
 
-__all__ = ["LOOKAHEAD", "SLOTS", "chunked", "segments", "staged", "staged_small",
+__all__ = ["LOOKAHEAD", "SLOTS", "WAIT_SPIN_BYTES", "chunked", "segments", "staged", "staged_small",
            "sync", "view"]

@@ -14,9 +14,11 @@ Board: the rest of each header (:meth:`ShmFabric.board`) is plain shared words, 
 readable and writable by every rank of the group, for protocols built on top.
 
 Signals: each rank's header holds one 32-bit counter that only it increments. A rank *posts* by
-incrementing it and waking futex waiters (~1.6 us); a peer *waits* for the counter to reach a
-value by checking it a few hundred times (microseconds), then sleeping in ``FUTEX_WAIT`` on it (a
-real blocking wait: no core is burnt) in slices of :data:`WAIT_SLICE_S`, checking between slices
+incrementing it and waking futex waiters (one system call); a peer *waits* for the counter to
+reach a value by checking it a few hundred times (microseconds; longer where a collective
+expects the peer to be a large step behind and every rank has a core), then sleeping in
+``FUTEX_WAIT`` on it (a real blocking wait: no core is burnt) in slices of
+:data:`WAIT_SLICE_S`, checking between slices
 its deadline, whether the peer closed its group (a header flag; closing wakes waiters at once)
 and whether the peer's process is still alive (``/proc/<pid>`` with the start time from its
 header, so a reused pid is not mistaken for it; peers in another pid namespace are not checked
@@ -142,6 +144,7 @@ class ShmFabric:
         exchanged by :meth:`create`): ``size <= cores`` means every rank can have a core of its
         own, also when a launcher binds each rank to one core (``mpirun``: one core per
         process, two cores for the group)."""
+        self._long_spins = SPIN_ALLOWED and self.size <= self.cores
         self._spin = (SPIN_CHECKS if self.size <= self.cores else SPIN_CHECKS_OVERSUBSCRIBED
                       ) if SPIN_ALLOWED else 0
 
@@ -281,15 +284,23 @@ class ShmFabric:
         futex_wake(self._counter_address)
         return self._posted
 
-    def wait_all(self, target: int) -> None:
-        """Wait until every peer has posted ``target`` signals (in this group's lifetime)."""
+    def wait_all(self, target: int, spins: int = 0) -> None:
+        """Wait until every peer has posted ``target`` signals (in this group's lifetime).
+
+        ``spins``: check the counter at least this many times before sleeping, when every rank
+        of the group has a core (otherwise the spin stays :data:`SPIN_CHECKS_OVERSUBSCRIBED`:
+        spinning would take the core of the rank waited for). A collective passes a longer spin
+        for a wait that follows a large step of the peer's, which sleeping and waking up would
+        lengthen (see :data:`hora.collectives.shm_allreduce.WAIT_SPIN_BYTES`).
+        """
         for peer, header in self._peer_headers.items():
             if ((header[_W_COUNTER] - target) & MASK) >= HALF:  # (not there yet: no call else)
-                self.wait(peer, target)
+                self.wait(peer, target, spins)
 
-    def wait(self, peer: int, target: int) -> None:
+    def wait(self, peer: int, target: int, spins: int = 0) -> None:
         """Wait until ``peer`` has posted ``target`` signals (:func:`wait_word`: spin, then
-        futex slices, checking between slices that the peer is open and alive).
+        futex slices, checking between slices that the peer is open and alive); ``spins`` as in
+        :meth:`wait_all`.
 
         Raises:
             HoraTimeoutError: not within ``timeout`` seconds of the first sleep (names the peer).
@@ -297,7 +308,8 @@ class ShmFabric:
         """
         header = self._peer_headers[peer]
         address = self._peer_counters[peer]
-        if wait_word(header, _W_COUNTER, address, target, self._spin,
+        spin = self._spin if spins <= self._spin or not self._long_spins else spins
+        if wait_word(header, _W_COUNTER, address, target, spin,
                      min(WAIT_SLICE_S, self.timeout)):
             return
         start = time.monotonic()
