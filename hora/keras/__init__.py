@@ -12,3 +12,4 @@ from hora.tensorflow.keras import *  # noqa: F403 - the same API under Horovod's
 from hora.tensorflow.keras import __all__ as __all__
 from hora.tensorflow.keras import callbacks as callbacks
 from hora.tensorflow.keras import elastic as elastic
+from hora.tensorflow.keras.sharded import ShardedOptimizer as ShardedOptimizer  # hora-only

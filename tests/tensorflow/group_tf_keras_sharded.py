@@ -1,0 +1,19 @@
+"""Case group: the Keras 3 ShardedOptimizer (hora-only) with ``model.fit`` on 2 ranks (cases in
+tf_sharded_cases.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tf_sharded_cases
+
+CASE_IDS = ["sharded-fit", "sharded-state-bytes", "sharded-sum-predivide",
+            "sharded-full-state"]
+
+
+def init(hvd: Any) -> None:
+    tf_sharded_cases.init(hvd)
+
+
+def cases() -> list[tuple[str, Any]]:
+    return tf_sharded_cases.keras3_cases()
