@@ -7,7 +7,9 @@
     hora run -np 2 python benchmarks/step_overhead.py --worker --framework torch   # one rank
 
 The same 2 processes (``hora run -np 2``, one framework thread each) train two copies of one MLP
-on a fixed synthetic batch per rank, plain SGD, and allreduce arrays of the gradients' shapes,
+on a fixed synthetic batch per rank, plain SGD (JAX: one XLA thread per rank,
+``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`` unless set),
+and allreduce arrays of the gradients' shapes,
 in interleaved rounds (the order rotated per round):
 
 * ``hora``: the step with hora's ``DistributedOptimizer`` (torch: gradient hooks during
@@ -20,7 +22,11 @@ in interleaved rounds (the order rotated per round):
 
 It prints the median ms per step of each, the ``nosync / hora`` time ratio (ratio of the
 medians, and the median and range of the per-round ratios: the figure of issue 29's targets),
-and hora's extra time per step (``hora - nosync``) against ``bare``. Step times are rank 0's,
+and hora's extra time per step (``hora - nosync``) against ``bare``; then where the step's sync
+point goes (Keras, JAX: hora's host call in the compiled step; torch: ``synchronize()`` in
+``step()``, after backward, the hooks' allreduces having started during it): its duration on
+rank 0, how long the earlier rank waited for the later one to get there, and the time from the
+later arrival to the first exit. Step times are rank 0's,
 from the end of a phase's first step to the end of its last (the first absorbs the ranks'
 drift from the previous phase).
 """
@@ -68,6 +74,7 @@ def _torch(args: argparse.Namespace) -> tuple[dict[str, Runner], list[tuple[int,
         if variant == "hora":
             opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            opt.synchronize = _stamped(opt.synchronize)  # step() waits for the hooks' ops here
         models[variant] = model
 
         def run(n: int, model: nn.Module = model, opt: Any = opt) -> list[float]:
@@ -95,8 +102,10 @@ def _keras(args: argparse.Namespace) -> tuple[dict[str, Runner], list[tuple[int,
     import numpy as np
 
     import hora.keras as hvd
+    from hora.tensorflow.gradients import GradientReducer
 
     hvd.init()
+    GradientReducer._singles = _stamped(GradientReducer._singles)  # type: ignore[method-assign]
     rng = np.random.RandomState(hvd.rank())
     x = rng.randn(args.batch, 784).astype("float32")
     y = rng.randint(0, 10, size=args.batch).astype("float32")
@@ -143,8 +152,14 @@ def _jax(args: argparse.Namespace) -> tuple[dict[str, Runner], list[tuple[int, .
     import optax
 
     import hora.jax as hvd
+    from hora.jax import host_call
 
     hvd.init()
+    traced_call = host_call.call
+
+    def call(fn: Any, *rest: Any, **kw: Any) -> Any:  # the step's host call, stamped
+        return traced_call(_stamped(fn), *rest, **kw)
+    host_call.call = call
     dims = [784, args.hidden, args.hidden, 10]
     rng = np.random.default_rng(0)
     params0 = [{"w": jnp.asarray(rng.normal(0, 0.05, (a, b)).astype(np.float32)),
@@ -191,6 +206,22 @@ def _jax(args: argparse.Namespace) -> tuple[dict[str, Runner], list[tuple[int, .
     return runners, shapes, check
 
 
+CALLS: list[tuple[float, float]] = []
+"""(entry, exit) of hora's host call (Keras, JAX) or of ``synchronize()`` (torch) during the
+measured hora phases."""
+_TIMING = [False]
+
+
+def _stamped(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if _TIMING[0]:
+            CALLS.append((start, time.perf_counter()))
+        return out
+    return run
+
+
 def _bare(shapes: list[tuple[int, ...]]) -> Runner:
     """Allreduce numpy arrays of ``shapes`` in place through the core, all submitted, then one
     wait for each: the bytes' own cost."""
@@ -219,9 +250,11 @@ def worker(args: argparse.Namespace) -> None:
     runners["bare"] = _bare(shapes)
     variants = ("hora", "nosync", "bare")
 
-    def phase(variant: str, steps: int) -> float:
+    def phase(variant: str, steps: int, timed: bool = False) -> float:
         hora.barrier()
+        _TIMING[0] = timed and variant == "hora"
         stamps = runners[variant](steps)
+        _TIMING[0] = False
         return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
     for v in variants:
@@ -230,11 +263,13 @@ def worker(args: argparse.Namespace) -> None:
     load = [os.getloadavg()[0]]
     for r in range(args.rounds):
         for v in variants[r % 3:] + variants[:r % 3]:
-            times[v].append(phase(v, args.steps))
+            times[v].append(phase(v, args.steps, timed=True))
     load.append(os.getloadavg()[0])
     checks = hora.allgather_object(round(check(), 2))
+    calls = hora.allgather_object(CALLS)
     if hora.rank() == 0:
         _report(args, shapes, times, load, len(set(checks)) == 1)
+        _breakdown(args.framework, calls)
     hora.shutdown()
 
 
@@ -256,6 +291,27 @@ def _report(args: argparse.Namespace, shapes: list[tuple[int, ...]],
     print(f"  hora - nosync: {med['hora'] - med['nosync']:.2f} ms/step; the bytes alone "
           f"(bare allreduce): {med['bare']:.2f} ms")
     print(f"  replicas identical across ranks: {'yes' if same else 'NO'}", flush=True)
+
+
+def _breakdown(framework: str, stamps: list[list[tuple[float, float]]]) -> None:
+    """Where hora's sync point of each step goes, from every rank's (entry, exit) stamps of the
+    same calls (``time.perf_counter`` is one clock for the processes of a host)."""
+    steps = list(zip(*stamps))
+    if not steps:
+        return
+
+    def line(what: str, ms: list[float]) -> str:
+        q = statistics.quantiles(ms, n=10) if len(ms) > 1 else ms * 9
+        return (f"    {what:<46} median {statistics.median(ms):6.2f}  p10 {q[0]:6.2f}  "
+                f"p90 {q[-1]:6.2f}")
+
+    what = "synchronize() in step()" if framework == "torch" else "the host call"
+    print(f"  {what} per step, ms ({len(steps)} steps):")
+    print(line("duration on rank 0", [1e3 * (s[0][1] - s[0][0]) for s in steps]))
+    print(line("the earlier rank waits for the later one", [
+        1e3 * (max(e for e, _ in s) - min(e for e, _ in s)) for s in steps]))
+    print(line("from the later entry to the first exit", [
+        1e3 * (min(x for _, x in s) - max(e for e, _ in s)) for s in steps]), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -285,7 +341,10 @@ def main(argv: list[str] | None = None) -> None:
     print("launching: " + shlex.join(["hora", "run", "-np", str(args.np), "python",
                                       "benchmarks/step_overhead.py", "--worker", *passed]))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
-           "KERAS_BACKEND": "tensorflow", "JAX_PLATFORMS": "cpu"}
+           "KERAS_BACKEND": "tensorflow", "JAX_PLATFORMS": "cpu",
+           # one XLA thread per rank, as torch and TensorFlow get one each
+           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
+                                                    "intra_op_parallelism_threads=1")}
     sys.exit(subprocess.call(cmd, env=env))
 
 

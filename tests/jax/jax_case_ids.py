@@ -15,7 +15,7 @@ REJECTED = {family: ["bool", "int16", "uint32", "complex64"]
 JAX_ONLY = [
     "results-adopted", "tree-ops", "tree-async", "metrics-dict", "tree-packed",
     "pure-callback-fallback",
-    "jit-ops", "jit-steady-names", "vmap",
+    "jit-ops", "jit-steady-names", "vmap", "jit-into-results",
     "grad-allreduce", "grad-allreduce-tree", "grad-allgather", "grad-broadcast",
     "grad-reducescatter", "grad-alltoall", "grad-eager-equals-jit", "optimizer-identical",
     "optimizer-passes-fp16", "broadcast-state", "mismatch-tree-structure",

@@ -224,6 +224,30 @@ def vmap_case(hvd: Any) -> None:
                             for k in range(4)]), "vmap(allgather): one gather per element")
 
 
+def jit_into_results(hvd: Any) -> None:
+    """Inside jit the core writes a lone leaf's and a single array's result straight into
+    XLA's result buffer: the values, the input used after the op, under vmap, and a tree with
+    a large leaf differentiated."""
+    r, n = hvd.rank(), hvd.size()
+    big = jnp.asarray(_x(r, (300, 128)))
+    want_big = sum(_x(q, (300, 128)) for q in range(n))
+    tree = {"big": big, "small": jnp.asarray(_x(r, (3,), 1))}
+    f = jax.jit(lambda t: (hvd.allreduce(t, op=hvd.Sum, name="into.tree"), t["big"] + 0))
+    for _ in range(2):  # twice: XLA may hand the second call other result buffers
+        got, same = f(tree)
+        _eq(got, {"big": want_big, "small": sum(_x(q, (3,), 1) for q in range(n))},
+            "tree with a lone leaf (jit)")
+        _eq(same, _x(r, (300, 128)), "the lone leaf's input used after the op")
+    one = jax.jit(lambda a: (hvd.allreduce(a, op=hvd.Sum, name="into.one") * 1, a * 1))
+    got_one, kept = one(big)
+    _eq([got_one, kept], [want_big, _x(r, (300, 128))], "single array (jit)")
+    batched = jax.jit(jax.vmap(lambda a: hvd.allreduce(a, op=hvd.Sum, name="into.vmap")))(
+        jnp.stack([big, big * 2]))
+    _eq(batched, np.stack([want_big, 2 * want_big]), "single array (jit, vmap)")
+    grad = jax.jit(jax.grad(lambda t: jnp.sum(hvd.allreduce(t, name="into.grad")["big"] ** 2)))
+    _eq(grad(tree)["big"], 2 * want_big / n, "gradient of a tree with a lone leaf")
+
+
 def _weights(rank: int, shape: tuple[int, ...]) -> np.ndarray:
     return _x(rank, shape, 7) * (rank + 1)
 
@@ -440,6 +464,7 @@ CASES = {
     "tree-packed": tree_packed, "pure-callback-fallback": pure_callback_fallback,
     "jit-ops": jit_ops, "jit-steady-names": jit_steady_names,
     "vmap": vmap_case,
+    "jit-into-results": jit_into_results,
     "grad-allreduce": grad_allreduce, "grad-allreduce-tree": grad_allreduce_tree,
     "grad-allgather": grad_allgather, "grad-broadcast": grad_broadcast,
     "grad-reducescatter": grad_reducescatter, "grad-alltoall": grad_alltoall,
