@@ -37,7 +37,7 @@ import numpy as np
 
 from hora.collectives._buffers import Array, even_counts, offsets
 from hora.collectives.comm import U8, Fabric
-from hora.collectives.ops import ReduceOp, reduce_inplace, reduce_into, scale_inplace
+from hora.collectives.ops import UFUNCS, ReduceOp, reduce_inplace, reduce_into, scale_inplace
 
 WAIT_SPIN_BYTES = 256
 """A wait that follows a step over ``n`` bytes (a chunk exported or reduced by the peer) checks
@@ -88,37 +88,43 @@ def chunked(fabric: Fabric, buf: Array, op: ReduceOp, parity: int, chunk_bytes: 
     exported: list[int] = []  # this rank's signal count after exporting chunk c (so: a peer's)
     reduced: list[int] = []
     spins = per_chunk * buf.itemsize // WAIT_SPIN_BYTES
-
-    def layout(chunk: int) -> tuple[int, int, list[int]]:
-        """Chunk start in buf, slot start in the segments, slice bounds within the chunk."""
-        lo = chunk * per_chunk
-        bounds = offsets(even_counts(min(per_chunk, buf.size - lo), size))
-        return lo, (chunk % SLOTS) * per_chunk, bounds
+    ufunc = UFUNCS.get(op)
+    if ufunc is None:
+        raise NotImplementedError(f"{ReduceOp(op).name} is not an element-wise reduction")
+    if ufunc is np.add and buf.dtype == np.bool_:
+        ufunc = np.logical_or
+    # per chunk: its start in buf, its slot's start in the segments, the ranks' slice bounds
+    # within it (the same for every full chunk: computed once, not three times per chunk)
+    full = offsets(even_counts(per_chunk, size))
+    plan = [(lo, (chunk % SLOTS) * per_chunk,
+             full if lo + per_chunk <= buf.size else offsets(even_counts(buf.size - lo, size)))
+            for chunk, lo in enumerate(range(0, buf.size, per_chunk))]
 
     for step in range(nchunks + 2 * LOOKAHEAD):
         chunk = step
         if chunk < nchunks:  # export the slices other ranks own, for them to reduce
-            lo, slot, b = layout(chunk)
+            lo, slot, b = plan[chunk]
             for k in others:
                 np.copyto(mine[slot + b[k]:slot + b[k + 1]], data[lo + b[k]:lo + b[k + 1]])
             exported.append(fabric.post())
         chunk = step - LOOKAHEAD
         if 0 <= chunk < nchunks:  # reduce this rank's slice straight into buf, publish it
-            lo, slot, b = layout(chunk)
+            lo, slot, b = plan[chunk]
             fabric.wait_all(exported[chunk], spins)
             if not segs:
                 segs = segments(fabric, parity, need, buf.dtype)
             own = buf[lo + b[rank]:lo + b[rank + 1]]
             first = data[lo + b[rank]:lo + b[rank + 1]]
-            for j in others:
-                reduce_into(own, first, segs[j][slot + b[rank]:slot + b[rank + 1]], op)
+            for j in others:  # (a slice is reduced by its owner alone: one result everywhere)
+                ufunc(first, segs[j][slot + b[rank]:slot + b[rank + 1]], out=own)
                 first = own
-            scale_inplace(own, postscale)
+            if postscale != 1.0:
+                scale_inplace(own, postscale)
             np.copyto(mine[slot + b[rank]:slot + b[rank + 1]], own)
             reduced.append(fabric.post())
         chunk = step - 2 * LOOKAHEAD
         if 0 <= chunk < nchunks:  # import the slices other ranks reduced
-            lo, slot, b = layout(chunk)
+            lo, slot, b = plan[chunk]
             fabric.wait_all(reduced[chunk], spins)
             for j in others:
                 np.copyto(buf[lo + b[j]:lo + b[j + 1]], segs[j][slot + b[j]:slot + b[j + 1]])
