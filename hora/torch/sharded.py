@@ -14,6 +14,10 @@ of :mod:`hora.core.frontend.sharding`, balanced by bytes). ``step()``:
    holds this rank's shard (about ``1/size`` of the unsharded state's bytes);
 3. allgathers the owners' new parameter values into every rank's parameters.
 
+The buffers are packed per bucket (``bucket_bytes`` per rank's row, two buckets in flight), and
+the gradients of parameters other ranks own are released as soon as they are packed, so the
+step's extra memory stays small next to the state it saves.
+
 ``state_dict()`` is collective (every member calls it) and returns the full state, in the
 wrapped optimizer's own format (loadable by the unwrapped optimizer, at any size);
 ``load_state_dict(full)`` keeps this rank's shard of a full state written at any size.
@@ -64,9 +68,10 @@ class _ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Any, named_parameters: Iterable[Any] | None,
                  compression: type[Compressor], backward_passes_per_step: int, op: int,
-                 gradient_predivide_factor: float, process_set: ProcessSet,
+                 gradient_predivide_factor: float, process_set: ProcessSet, bucket_bytes: int,
                  base_kwargs: dict[str, Any], state: dict[Any, Any]) -> None:
         init_wrapped(self, params, base_kwargs, state)
+        self.bucket_bytes = bucket_bytes
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self.op = ReduceOp(op)
@@ -111,7 +116,9 @@ class _ShardedOptimizer(torch.optim.Optimizer):
                                    size)
         self._buckets = sharding.layout(
             self._plan, [p.numel() for p in self._trainable],
-            [(str(p.dtype), str(p.device)) for p in self._trainable])
+            [(str(p.dtype), str(p.device)) for p in self._trainable],
+            max_row_bytes=self.bucket_bytes,
+            itemsizes=[p.element_size() for p in self._trainable])
         mine = self._shard if self._shard is not None else 0
         self._owned = {self._trainable[i] for i in self._plan.owned(mine)}
         for p in list(self.state):
@@ -140,59 +147,82 @@ class _ShardedOptimizer(torch.optim.Optimizer):
 
     # ---- collectives ---------------------------------------------------------------------------
     def _reduce_scatter(self) -> None:
-        """Average every gradient into its owner's ``.grad`` (others keep their local one)."""
+        """Average every gradient into its owner's ``.grad``; the gradients of parameters other
+        ranks own are released (``None``). One bucket at a time, the next one in flight while
+        the last one is written back (``bucket_bytes`` bounds the packed buffers)."""
         self._passes.clear()
-        assert self._plan is not None
-        size, me = self._plan.size, self._shard
-        assert me is not None
+        assert self._plan is not None and self._shard is not None
         pre, post = distopt.scale_factors(self.op, self.gradient_predivide_factor)
-        buffers, ctxs = [], []
-        for bucket in self._buckets:
-            first = self._trainable[bucket.slots[0].index]
-            buf = torch.zeros((size, bucket.width), dtype=first.dtype, device=first.device)
-            for slot in bucket.slots:
-                grad = self._trainable[slot.index].grad
-                if grad is not None:
-                    dense = grad.to_dense() if grad.is_sparse else grad
-                    buf[slot.shard, slot.offset:slot.offset + slot.numel].copy_(dense.reshape(-1))
+        pending: list[tuple[sharding.Bucket, Any, Any]] = []
+        for k, bucket in enumerate(self._buckets):
+            buf = self._pack_grads(bucket)
             compressed, ctx = self._compression.compress(buf)
-            buffers.append(compressed)
-            ctxs.append(ctx)
-        handle = ops.grouped_reducescatter_async(buffers, name="sharded_optimizer.grads",
-                                                 op=self.op, prescale_factor=pre,
-                                                 postscale_factor=post,
-                                                 process_set=self.process_set)
-        outputs = ops.synchronize(handle)
-        for bucket, out, ctx in zip(self._buckets, outputs, ctxs):
-            row = self._compression.decompress(out, ctx).reshape(-1)
-            for slot in bucket.row(me):
-                p = self._trainable[slot.index]
-                value = row[slot.offset:slot.offset + slot.numel].view_as(p)
-                if p.grad is None or p.grad.is_sparse:
-                    p.grad = value.clone()
-                else:
-                    p.grad.copy_(value)
+            del buf
+            handle = ops.reducescatter_async(compressed, name=f"sharded_optimizer.grads.{k}",
+                                             op=self.op, prescale_factor=pre,
+                                             postscale_factor=post,
+                                             process_set=self.process_set)
+            pending.append((bucket, handle, ctx))
+            if len(pending) > 1:
+                self._write_grads(*pending.pop(0))
+        for item in pending:
+            self._write_grads(*item)
+
+    def _pack_grads(self, bucket: sharding.Bucket) -> torch.Tensor:
+        assert self._plan is not None
+        first = self._trainable[bucket.slots[0].index]
+        buf = torch.zeros((self._plan.size, bucket.width), dtype=first.dtype,
+                          device=first.device)
+        for slot in bucket.slots:
+            p = self._trainable[slot.index]
+            grad = p.grad
+            if grad is not None:
+                dense = grad.to_dense() if grad.is_sparse else grad
+                buf[slot.shard, slot.offset:slot.offset + slot.numel].copy_(dense.reshape(-1))
+                if slot.shard != self._shard:
+                    p.grad = None
+        return buf
+
+    def _write_grads(self, bucket: sharding.Bucket, handle: Any, ctx: Any) -> None:
+        out = ops.synchronize(handle)
+        row = self._compression.decompress(out, ctx).reshape(-1)
+        for slot in bucket.slots:
+            if slot.shard != self._shard:
+                continue
+            p = self._trainable[slot.index]
+            value = row[slot.offset:slot.offset + slot.numel].view_as(p)
+            if p.grad is None or p.grad.is_sparse:
+                p.grad = value.clone()
+            else:
+                p.grad.copy_(value)
 
     def _allgather_parameters(self) -> None:
+        """Every owner's new values into every rank's parameters, one bucket at a time (the
+        next one in flight while the last one is written)."""
         assert self._plan is not None and self._shard is not None
-        me = self._shard
-        rows = []
-        for bucket in self._buckets:
+        pending: list[tuple[sharding.Bucket, Any]] = []
+        for k, bucket in enumerate(self._buckets):
             first = self._trainable[bucket.slots[0].index]
             row = torch.zeros((1, bucket.width), dtype=first.dtype, device=first.device)
-            for slot in bucket.row(me):
-                row[0, slot.offset:slot.offset + slot.numel].copy_(
-                    self._trainable[slot.index].detach().reshape(-1))
-            rows.append(row)
-        gathered = ops.synchronize(ops.grouped_allgather_async(
-            rows, name="sharded_optimizer.params", process_set=self.process_set))
+            for slot in bucket.slots:
+                if slot.shard == self._shard:
+                    row[0, slot.offset:slot.offset + slot.numel].copy_(
+                        self._trainable[slot.index].detach().reshape(-1))
+            pending.append((bucket, ops.allgather_async(
+                row, name=f"sharded_optimizer.params.{k}", process_set=self.process_set)))
+            del row
+            if len(pending) > 1:
+                self._write_params(*pending.pop(0))
+        for item in pending:
+            self._write_params(*item)
+
+    def _write_params(self, bucket: sharding.Bucket, handle: Any) -> None:
+        full = ops.synchronize(handle)
         with torch.no_grad():
-            for bucket, full in zip(self._buckets, gathered):
-                for slot in bucket.slots:
-                    if slot.shard != me:
-                        p = self._trainable[slot.index]
-                        p.copy_(full[slot.shard, slot.offset:slot.offset + slot.numel]
-                                .view_as(p))
+            for slot in bucket.slots:
+                if slot.shard != self._shard:
+                    p = self._trainable[slot.index]
+                    p.copy_(full[slot.shard, slot.offset:slot.offset + slot.numel].view_as(p))
 
     def _agree_on_non_finite(self) -> None:
         """After an explicit ``synchronize()``: if any member's averaged gradients hold inf/NaN,
@@ -213,7 +243,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
     # ---- public API ----------------------------------------------------------------------------
     def synchronize(self) -> None:
         """Reduce-scatter the gradients: each parameter's owner gets the average in ``.grad``
-        (the other ranks keep their local gradient). Collective. Use it, as with
+        (the gradients of parameters other ranks own are released). Collective. Use it, as with
         ``DistributedOptimizer``, before gradient clipping (:meth:`clip_grad_norm_`) or AMP
         unscaling, then ``step()`` inside :meth:`skip_synchronize`; if any member's averaged
         gradients are not finite, every rank's are made so (AMP skips the step everywhere)."""
@@ -369,7 +399,8 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horovod-s
                      compression: type[Compressor] = Compression.none,
                      backward_passes_per_step: int = 1, op: int = ReduceOp.Average,
                      gradient_predivide_factor: float = 1.0,
-                     process_set: ProcessSet = global_process_set) -> Any:
+                     process_set: ProcessSet = global_process_set,
+                     bucket_bytes: int = 64 * 2**20) -> Any:
     """Wrap ``optimizer`` (hora-only): gradients averaged across the process set as
     :func:`hora.torch.DistributedOptimizer` does, optimizer state sharded across its members.
 
@@ -384,6 +415,10 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horovod-s
         gradient_predivide_factor: Average is done as ``1/f`` before and ``f/size`` after.
         process_set: the ranks that average together and share the state; other ranks step
             the whole optimizer locally.
+        bucket_bytes: hora-only: the most bytes of one rank's row in one packed buffer (a
+            reduce-scatter and an allgather per bucket, two in flight; a larger parameter gets
+            a bucket of its own). Bounds the step's extra memory to about
+            ``2 * size * bucket_bytes``.
 
     Raises:
         ValueError: an op other than Average / Sum, invalid options or ``named_parameters``.
@@ -400,8 +435,8 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horovod-s
     from hora.torch.optimizer import _base_kwargs
 
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
-               op, gradient_predivide_factor, process_set, _base_kwargs(optimizer),
-               dict(optimizer.state))
+               op, gradient_predivide_factor, process_set, bucket_bytes,
+               _base_kwargs(optimizer), dict(optimizer.state))
 
 
 __all__ = ["ShardedOptimizer", "ShardedOptimizerStateHandler"]

@@ -106,23 +106,54 @@ class Bucket:
         return [s for s in self.slots if s.shard == shard]
 
 
-def layout(the_plan: Plan, numels: Sequence[int], keys: Sequence[Hashable]) -> list[Bucket]:
-    """Place every parameter in the bucket of its key (in order of first appearance): in its
-    owner's row, after the earlier parameters of that row; the width is the longest row (at
-    least 1 element, so every collective has a non-empty tensor)."""
+def layout(the_plan: Plan, numels: Sequence[int], keys: Sequence[Hashable],
+           max_row_bytes: int | None = None, itemsizes: Sequence[int] | None = None
+           ) -> list[Bucket]:
+    """Place every parameter in a bucket of its key (keys in order of first appearance): in
+    its owner's row, after the earlier parameters of that row; a bucket's width is its longest
+    row (at least 1 element, so every collective has a non-empty tensor).
+
+    With ``max_row_bytes`` (and each parameter's ``itemsizes``), a key's parameters are spread
+    over several buckets that fill every shard's row side by side (each row takes its owner's
+    next parameters, in order, up to the cap; at least one), so that a bucket's rows stay about
+    equally long and a bucket at a time bounds the memory of the packed buffers.
+    """
     order: dict[Hashable, list[int]] = {}
     for i, key in enumerate(keys):
         order.setdefault(key, []).append(i)
     buckets = []
     for key, members in order.items():
-        fill = [0] * the_plan.size
-        slots = []
-        for i in members:
-            s = the_plan.owner[i]
-            slots.append(Slot(i, s, fill[s], int(numels[i])))
-            fill[s] += int(numels[i])
-        buckets.append(Bucket(key, max(max(fill), 1), tuple(slots)))
+        if max_row_bytes is None:
+            queues = [[i for i in members if the_plan.owner[i] == s]
+                      for s in range(the_plan.size)]
+            buckets.append(_bucket(key, queues, numels))
+            continue
+        sizes = itemsizes if itemsizes is not None else [1] * len(numels)
+        queues = [[i for i in members if the_plan.owner[i] == s]
+                  for s in range(the_plan.size)]
+        while any(queues):
+            rows: list[list[int]] = []
+            for q in queues:
+                row: list[int] = []
+                used = 0
+                while q and (not row or used + numels[q[0]] * sizes[q[0]] <= max_row_bytes):
+                    used += numels[q[0]] * sizes[q[0]]
+                    row.append(q.pop(0))
+                rows.append(row)
+            buckets.append(_bucket(key, rows, numels))
     return buckets
+
+
+def _bucket(key: Hashable, rows: Sequence[Sequence[int]], numels: Sequence[int]) -> Bucket:
+    slots = []
+    width = 1
+    for shard, row in enumerate(rows):
+        fill = 0
+        for i in row:
+            slots.append(Slot(i, shard, fill, int(numels[i])))
+            fill += int(numels[i])
+        width = max(width, fill)
+    return Bucket(key, width, tuple(sorted(slots, key=lambda s: s.index)))
 
 
 def padding_ratio(buckets: Iterable[Bucket], size: int) -> float:
