@@ -52,6 +52,11 @@ log = get_logger(__name__)
 MAX_WAIT_SECONDS = 24 * 3600.0
 """Longest server-side wait of one ``get``."""
 
+_BACKLOG = 4096
+"""Listen backlog (the kernel caps it at ``net.core.somaxconn``): every rank of a job connects
+at once; a full accept queue silently drops a client's final ACK, and that client then waits
+for a challenge the server never saw (a thousand ranks against a backlog of 128 did)."""
+
 
 class KVStoreServer:
     """A threaded, authenticated key-value store server.
@@ -72,7 +77,12 @@ class KVStoreServer:
         self._auth_timeout = auth_timeout
         self._io_timeout = io_timeout
         self._data: dict[str, dict[str, bytes]] = {}
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        # Waiters per (scope, key), sharing the one lock: a set or add wakes only the gets of
+        # that key (with a thousand ranks blocked in a get, waking all of them on every set
+        # is a million wake-ups per rendezvous).
+        self._key_conds: dict[tuple[str, str], tuple[threading.Condition, list[int]]] = {}
         self._closed = False
         self._listener: socket.socket | None = None
         self._wake_r, self._wake_w = socket.socketpair()
@@ -98,7 +108,7 @@ class KVStoreServer:
             RendezvousError: the address cannot be bound (in use, not local), naming it.
         """
         try:
-            listener = socket.create_server((self._host, self._port), backlog=128,
+            listener = socket.create_server((self._host, self._port), backlog=_BACKLOG,
                                             family=_family(self._host))
         except OSError as exc:
             raise RendezvousError(
@@ -132,6 +142,8 @@ class KVStoreServer:
                 return
             self._closed = True
             self._cond.notify_all()
+            for cond, _ in self._key_conds.values():
+                cond.notify_all()
         try:
             self._wake_w.send(b"x")
         except OSError:
@@ -206,21 +218,34 @@ class KVStoreServer:
             scope = self._data.get(req.scope)
             if req.op == OP_SET:
                 self._data.setdefault(req.scope, {})[req.key] = req.value
-                self._cond.notify_all()
+                self._notify(req.scope, req.key)
                 return bytes([OK])
             if req.op == OP_GET:
                 end = time.monotonic() + min(req.timeout, MAX_WAIT_SECONDS)
-                while True:
-                    scope = self._data.get(req.scope)
-                    if scope is not None and req.key in scope:
-                        return bytes([OK]) + scope[req.key]
-                    if self._closed:
-                        return bytes([ERROR]) + b"the store is shutting down (the launcher or " \
-                            b"rank 0 that serves it is exiting)"
-                    left = end - time.monotonic()
-                    if left <= 0:
-                        return bytes([MISSING])
-                    self._cond.wait(left)
+                waiting: tuple[threading.Condition, list[int]] | None = None
+                try:
+                    while True:
+                        scope = self._data.get(req.scope)
+                        if scope is not None and req.key in scope:
+                            return bytes([OK]) + scope[req.key]
+                        if self._closed:
+                            return bytes([ERROR]) + b"the store is shutting down (the " \
+                                b"launcher or rank 0 that serves it is exiting)"
+                        left = end - time.monotonic()
+                        if left <= 0:
+                            return bytes([MISSING])
+                        if waiting is None:
+                            waiting = self._key_conds.get((req.scope, req.key))
+                            if waiting is None:
+                                waiting = (threading.Condition(self._lock), [0])
+                                self._key_conds[(req.scope, req.key)] = waiting
+                            waiting[1][0] += 1
+                        waiting[0].wait(left)
+                finally:
+                    if waiting is not None:
+                        waiting[1][0] -= 1
+                        if not waiting[1][0]:
+                            self._key_conds.pop((req.scope, req.key), None)
             if req.op == OP_DELETE:
                 existed = scope is not None and scope.pop(req.key, None) is not None
                 if scope is not None and not scope:
@@ -236,8 +261,14 @@ class KVStoreServer:
             if not -(2**63) <= value < 2**63:
                 return bytes([ERROR]) + f"counter {req.key!r} would overflow 64 bits".encode()
             self._data.setdefault(req.scope, {})[req.key] = str(value).encode()
-            self._cond.notify_all()
+            self._notify(req.scope, req.key)
             return bytes([OK]) + _I64.pack(value)
+
+    def _notify(self, scope: str, key: str) -> None:
+        """Wake the gets waiting for ``scope``/``key`` (the lock is held)."""
+        waiting = self._key_conds.get((scope, key))
+        if waiting is not None:
+            waiting[0].notify_all()
 
 
 def _family(host: str) -> socket.AddressFamily:

@@ -1,10 +1,12 @@
-"""The TCP transport: a full mesh of authenticated sockets between the ranks of a job, any hosts.
+"""The TCP transport: authenticated sockets between the ranks of a job, any hosts.
 
-:meth:`TcpTransport.create` has :func:`hora.transports.tcp_mesh.connect_mesh` build the mesh
-(rendezvous, listening, connecting, authentication; described there):
+:meth:`TcpTransport.create` has :func:`hora.transports.tcp_mesh.connect_mesh` build the
+connections (rendezvous, listening, connecting, authentication; described there):
 
-* a **data** connection between every pair of ranks, used as raw byte streams by the
-  collectives via :meth:`comm`;
+* **data** connections, used as raw byte streams by the collectives via :meth:`comm`: to the
+  ring neighbours and host leaders at start, to any other peer on first use
+  (:class:`~hora.transports.tcp_links.LazyLinks`), never a full mesh unless the job's
+  collectives use every pair (:meth:`TcpTransport.connection_counts`);
 * a **control** connection between rank 0 and every other rank, carrying framed messages.
 
 This module is the transport that uses the established connections: the data plane here, the
@@ -36,6 +38,7 @@ from hora.config import KNOBS_BY_NAME
 from hora.errors import HoraInternalError, HoraTimeoutError, PeerLostError, TransportError
 from hora.transports.base import Transport
 from hora.transports.tcp_control import ControlPlane, describe_peer
+from hora.transports.tcp_links import LazyLinks
 from hora.transports.tcp_mesh import LOST_HINT as _LOST_HINT
 from hora.transports.tcp_mesh import TIMEOUT_HINT as _TIMEOUT_HINT
 from hora.transports.tcp_mesh import connect_mesh
@@ -67,18 +70,19 @@ def _byte_view(buf: Buffer, writable: bool = False) -> memoryview:
 
 
 class TcpTransport(Transport):
-    """Full-mesh TCP connections between the ranks of one job. Build with :meth:`create`."""
+    """TCP connections between the ranks of one job. Build with :meth:`create`."""
 
     name = "tcp"
 
     def __init__(self, rank: int, size: int, hostnames: list[str],
                  data: dict[int, socket.socket], control: dict[int, socket.socket],
-                 timeout: float, wake_pair: tuple[socket.socket, socket.socket] | None = None
-                 ) -> None:
+                 timeout: float, wake_pair: tuple[socket.socket, socket.socket] | None = None,
+                 links: LazyLinks | None = None) -> None:
         self._rank = rank
         self._size = size
         self._hostnames = list(hostnames)
         self._data = data
+        self._links = links  # opens the data connections not made at start (None: none)
         self._control = control
         self._timeout = timeout
         self._closed = False
@@ -130,7 +134,8 @@ class TcpTransport(Transport):
         mesh = connect_mesh(rank, size, store, scope, secret, bind_host, hostname, idle,
                             deadline)
         log.debug("tcp mesh of %d ranks ready (scope %s)", size, scope)
-        return cls(rank, size, mesh.hostnames, mesh.data, mesh.control, timeout, mesh.wake_pair)
+        return cls(rank, size, mesh.hostnames, mesh.data, mesh.control, timeout, mesh.wake_pair,
+                   mesh.links)
 
     # ---- identity ----------------------------------------------------------------------------
 
@@ -169,9 +174,28 @@ class TcpTransport(Transport):
             raise TransportError("the TCP transport is closed (hora was shut down)")
         sock = self._data.get(peer)
         if sock is None:
+            return self._open(peer)
+        return sock
+
+    def _open(self, peer: int) -> socket.socket:
+        """Open the data connection to ``peer`` on its first use (:class:`LazyLinks`)."""
+        if (self._links is None or not isinstance(peer, int) or isinstance(peer, bool)
+                or not 0 <= peer < self._size or peer == self._rank):
             raise ValueError(f"rank {self._rank} has no data connection to peer {peer!r} "
                              f"(valid peers: 0..{self._size - 1} except itself)")
+        sock = self._links.open(peer, self._timeout)
+        if self._closed:
+            sock.close()
+            raise TransportError("the TCP transport is closed (hora was shut down)")
+        sock.setblocking(False)
+        self._data[peer] = sock
+        log.debug("rank %d opened its data connection to rank %d on first use", self._rank, peer)
         return sock
+
+    def connection_counts(self) -> tuple[int, int]:
+        """``(data, control)``: how many TCP connections to other ranks this rank holds now
+        (listening socket and wake-up pair not counted)."""
+        return len(self._data), len(self._ctl.peers())
 
     def _lost_error(self, peer: int, exc: BaseException | None, doing: str
                     ) -> HoraInternalError:
@@ -342,7 +366,7 @@ class TcpTransport(Transport):
 
     @override
     def shutdown_data(self) -> None:
-        for sock in self._data.values():  # FIN, not RST: peers see EOF at once
+        for sock in list(self._data.values()):  # FIN, not RST: peers see EOF at once
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -353,13 +377,17 @@ class TcpTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        if self._links is not None:
+            self._links.close()  # wakes a rank waiting for a peer to connect
         self.shutdown_data()  # wakes any thread of this process blocked on a data connection
         self._ctl.close()  # ... or in recv_control, before the control connections close
-        for sock in self._data.values():
+        for sock in list(self._data.values()):
             sock.close()
 
     def __del__(self) -> None:  # pragma: no cover - best effort if close() was forgotten
         if not getattr(self, "_closed", True):
+            if self._links is not None:
+                self._links.close()
             for sock in (*self._data.values(), *self._control.values()):
                 sock.close()
 

@@ -1,13 +1,22 @@
-"""Set-up of the TCP transport's full mesh: rendezvous, listening, connecting, authentication.
+"""Set-up of the TCP transport's connections: rendezvous, listening, connecting, authentication.
 
-:func:`connect_mesh` builds every connection one rank of a job needs and hands them to
+:func:`connect_mesh` builds the connections one rank of a job needs at start and hands them to
 :class:`~hora.transports.tcp.TcpTransport`, which uses them. It listens on the chosen interface,
-publishes ``host:port`` and the host name in the rendezvous store, waits for every rank's entry,
-then builds
+publishes ``host:port`` and the host name in the rendezvous store, and learns every rank's entry
+in **one** store request: the rank whose arrival completes the count gathers the entries into
+one key (``all``) that every other rank waits for (N ranks cost O(N) store requests, not the
+O(N^2) of every rank reading every entry). It then builds
 
-* a **data** connection between every pair of ranks (the lower rank accepts, the higher rank
-  connects; all in parallel);
-* a **control** connection between rank 0 and every other rank.
+* a **control** connection between rank 0 and every other rank;
+* **data** connections to the peers the collectives always use (:func:`eager_peers`): the two
+  neighbours on the ring of all ranks and, for a host's first rank (its leader), the leaders of
+  the previous and next host. Every other data connection (a process set's ring, alltoall's
+  pairs, a star's spokes) is opened on first use (:mod:`hora.transports.tcp_links`): the
+  higher rank of the pair connects, the lower rank's listener (kept open for the life of the
+  transport) accepts,
+  so both ends agree on one connection without talking first. A rank thus holds
+  ``1 + (at most 4) + the peers it actually exchanged data with`` connections instead of the
+  full mesh's ``N``; rank 0 holds ``N - 1`` control connections.
 
 Every connection runs :mod:`hora._util.auth` (the scope is bound into the MACs) and then states
 its rank and channel, so a process without the job secret, or from another generation of the
@@ -22,9 +31,9 @@ import json
 import queue
 import select
 import socket
-import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hora._util import auth
@@ -37,21 +46,25 @@ from hora.errors import (
     RendezvousTimeoutError,
     TransportError,
 )
+from hora.transports.tcp_links import (
+    _ACCEPT,
+    _CHANNEL_NAMES,
+    _HELLO,
+    _HELLO_MAGIC,
+    _POLLIN,
+    _REJECT,
+    CONTROL,
+    DATA,
+    LOST_HINT,
+    TIMEOUT_HINT,
+    LazyLinks,
+)
 
 if TYPE_CHECKING:
     from hora.rendezvous.store_client import KVStoreClient
 
 log = get_logger(__name__)
 
-DATA, CONTROL = 0, 1
-_CHANNEL_NAMES = {DATA: "data", CONTROL: "control"}
-_HELLO = struct.Struct("!8sIIB")  # magic, rank, size, channel
-_HELLO_MAGIC = b"HORATCP1"
-_ACCEPT, _REJECT = b"\x01", b"\x00"
-_POLLIN = select.POLLIN
-# Hints ending the TCP transport's timeout and lost-peer messages, in set-up and in use alike.
-TIMEOUT_HINT = "HINT: raise HORA_TIMEOUT_SECONDS (hora run --timeout-seconds) if this is expected."
-LOST_HINT = "it probably exited or crashed; see its output"
 
 
 class Mesh(NamedTuple):
@@ -60,11 +73,36 @@ class Mesh(NamedTuple):
     hostnames: list[str]
     """Host identity of every rank, in rank order (as published in the store)."""
     data: dict[int, socket.socket]
-    """Data connection to every other rank."""
+    """Data connections made at start (:func:`eager_peers`, and any lazy one that arrived)."""
     control: dict[int, socket.socket]
     """Control connections: rank 0 to every other rank; every other rank to rank 0."""
     wake_pair: tuple[socket.socket, socket.socket]
     """The socket pair used to wake the set-up, left empty for the transport's ``wake()``."""
+    links: LazyLinks
+    """Opens the other data connections on first use (owns the listener)."""
+
+
+def eager_peers(rank: int, hostnames: list[str]) -> set[int]:
+    """The peers whose data connections :func:`connect_mesh` makes at start: the ring
+    neighbours ``rank - 1`` and ``rank + 1`` (mod N) and, when ``rank`` is the first rank of its
+    host, the first ranks of the previous and next host (hosts in order of their first rank:
+    the ring of host leaders that hierarchical collectives use). Symmetric: ``q`` is in
+    ``eager_peers(p)`` exactly when ``p`` is in ``eager_peers(q)``."""
+    size = len(hostnames)
+    if size < 2:
+        return set()
+    peers = {(rank - 1) % size, (rank + 1) % size}
+    leaders: list[int] = []
+    seen: set[str] = set()
+    for r, host in enumerate(hostnames):
+        if host not in seen:
+            seen.add(host)
+            leaders.append(r)
+    if rank in leaders and len(leaders) > 1:
+        i = leaders.index(rank)
+        peers |= {leaders[i - 1], leaders[(i + 1) % len(leaders)]}
+    peers.discard(rank)
+    return peers
 
 
 def connect_mesh(rank: int, size: int, store: KVStoreClient | None, scope: str, secret: bytes,
@@ -101,30 +139,51 @@ def connect_mesh(rank: int, size: int, store: KVStoreClient | None, scope: str, 
         advertised = bind_host if bind_host not in ("", "0.0.0.0", "::") else hostname
         entry = {"host": advertised, "port": port, "hostname": hostname, "size": size}
         store.set(scope, str(rank), json.dumps(entry).encode())
-        store.add(scope, _ARRIVED, 1)
-        entries = _gather_entries(store, scope, rank, size, idle, deadline)
+        arrived = store.add(scope, _ARRIVED, 1)
+        entries = _gather_entries(store, scope, rank, size, idle, deadline,
+                                  last=arrived == size)
+        hostnames = [str(entries[r]["hostname"]) for r in range(size)]
         setup = _MeshSetup(rank, size, entries, secret, scope, idle, deadline, listener,
-                           wake_pair)
+                           wake_pair, eager_peers(rank, hostnames))
         data, control = setup.run()
     except BaseException:
         listener.close()
         for sock in wake_pair:
             sock.close()
         raise
-    listener.close()
-    hostnames = [str(entries[r]["hostname"]) for r in range(size)]
-    return Mesh(hostnames, data, control, wake_pair)
+    links = LazyLinks(rank, size, entries, secret, scope, listener, data)
+    with setup.lock:
+        setup.handoff = links.adopt
+        late, setup.late = setup.late, {}
+    for peer, sock in late.items():
+        links.adopt(peer, sock)
+    return Mesh(hostnames, data, control, wake_pair, links)
 
 
 _ARRIVED = "arrived"
 """Counter of ranks that published their address (the waiters' measure of progress)."""
+_ALL = "all"
+"""Every rank's entry, one JSON list, published by the rank whose arrival completed the count."""
 
 
 def _gather_entries(store: KVStoreClient, scope: str, rank: int, size: int, idle: float,
-                    deadline: float) -> dict[int, dict[str, Any]]:
+                    deadline: float, *, last: bool = False) -> dict[int, dict[str, Any]]:
     keys = [str(r) for r in range(size)]
     try:
-        raw = store.wait_arrivals(scope, keys, idle, deadline, counter=_ARRIVED)
+        if last:  # every rank set its entry before counting itself: all are there
+            got = store.wait(scope, keys, max(1.0, deadline - time.monotonic()))
+            listed = [json.loads(got[k]) for k in keys]
+            store.set(scope, _ALL, json.dumps(listed).encode())
+        else:
+            blob = store.wait_arrivals(scope, [_ALL], idle, deadline, counter=_ARRIVED)[_ALL]
+            listed = json.loads(blob)
+            if not isinstance(listed, list) or len(listed) != size:
+                raise RendezvousError(f"the rendezvous store's list of ranks in scope {scope!r} "
+                                      "is malformed; are all ranks running the same hora "
+                                      "version?")
+    except ValueError:
+        raise RendezvousError(f"malformed rank entries in scope {scope!r}; are all ranks "
+                              "running the same hora version?") from None
     except RendezvousTimeoutError:
         missing = [int(k) for k in store.missing(scope, keys)]
         shown = str(missing[:32])[:-1] + (", ...]" if len(missing) > 32 else "]")
@@ -140,7 +199,7 @@ def _gather_entries(store: KVStoreClient, scope: str, rank: int, size: int, idle
     entries: dict[int, dict[str, Any]] = {}
     for r in range(size):
         try:
-            entry = json.loads(raw[str(r)])
+            entry = listed[r]
             entry["port"] = int(entry["port"])
             entry["host"], entry["hostname"] = str(entry["host"]), str(entry["hostname"])
         except (ValueError, KeyError, TypeError):
@@ -159,17 +218,20 @@ class _MeshSetup:
 
     def __init__(self, rank: int, size: int, entries: dict[int, dict[str, Any]], secret: bytes,
                  scope: str, idle: float, deadline: float, listener: socket.socket,
-                 wake_pair: tuple[socket.socket, socket.socket]) -> None:
+                 wake_pair: tuple[socket.socket, socket.socket], eager: set[int]) -> None:
         self.rank, self.size, self.entries = rank, size, entries
         self.secret, self.idle, self.deadline, self.listener = secret, idle, deadline, listener
         self.context = b"hora-tcp\0" + scope.encode()
         self.wake_r, self.wake_w = wake_pair
-        self.incoming = {(p, DATA) for p in range(rank + 1, size)}
+        self.incoming = {(p, DATA) for p in eager if p > rank}
         if rank == 0:
             self.incoming |= {(p, CONTROL) for p in range(1, size)}
-        self.outgoing = [(p, DATA) for p in range(rank)] + ([(0, CONTROL)] if rank else [])
+        self.outgoing = ([(p, DATA) for p in sorted(eager) if p < rank]
+                         + ([(0, CONTROL)] if rank else []))
         self.lock = threading.Lock()
         self.done = False
+        self.late: dict[int, socket.socket] = {}
+        self.handoff: Callable[[int, socket.socket], None] | None = None
         self.conns: dict[tuple[int, int], socket.socket] = {}
         self.errors: queue.Queue[BaseException] = queue.Queue()
 
@@ -178,6 +240,14 @@ class _MeshSetup:
 
     def offer(self, key: tuple[int, int], sock: socket.socket) -> bool:
         with self.lock:
+            if self.done and key[1] == DATA and key not in self.conns:
+                # A higher rank's lazy connection accepted as set-up ended: the transport's
+                # LazyLinks takes it (the peer was told it is accepted).
+                if self.handoff is not None:
+                    self.handoff(key[0], sock)
+                else:
+                    self.late[key[0]] = sock
+                return True
             if self.done or key in self.conns:
                 sock.close()
                 return False
@@ -287,7 +357,9 @@ class _MeshSetup:
                 problem = "bad hello"
             elif size != self.size:
                 problem = f"it is in a {size}-rank job, this rank in a {self.size}-rank job"
-            elif key not in self.incoming:
+            elif key not in self.incoming and not (channel == DATA and self.rank < peer < size):
+                # (a higher rank's data connection that is not eager: it opened it lazily,
+                # already past its own set-up; kept for the transport)
                 problem = f"unexpected {_CHANNEL_NAMES.get(channel, channel)} connection"
             elif key in self.conns:
                 problem = "duplicate connection"
@@ -362,4 +434,4 @@ class _MeshSetup:
         self.offer((peer, channel), sock)
 
 
-__all__ = ["CONTROL", "DATA", "LOST_HINT", "TIMEOUT_HINT", "Mesh", "connect_mesh"]
+__all__ = ["CONTROL", "DATA", "LOST_HINT", "TIMEOUT_HINT", "Mesh", "connect_mesh", "eager_peers"]

@@ -1,0 +1,225 @@
+"""The response cache across hosts: its protocol (slots, ready bits, rank 0's decision).
+
+On one host the fast lane (:mod:`hora.core.lane`) lets a negotiated name skip rank 0. Across
+hosts every op still goes to rank 0 as one request per rank, which rank 0 parses, pairs and
+answers: O(ranks) work per cycle. This module is the cross-host version of Horovod's response
+cache, built so that rank 0's work per cycle is O(hosts):
+
+* **Slots** (:class:`SlotTable`, every rank alike): when a negotiated single-tensor
+  allreduce runs, every member gives its name the next slot and remembers the response and
+  its signature (:mod:`hora.core.op.agreement`). Responses reach every rank in one total order
+  (one coordinator), so every rank numbers slots alike without talking.
+* **Ready bits** (per rank, then per host): a later request is a *hit* when its signature
+  equals the slot's; the rank then only marks the slot ready. A host's ranks AND their bits
+  (within a host through shared memory, as the fast lane's board does); the host leader sends
+  rank 0 the slots that *became* ready on every rank of its host since its last message
+  (:data:`MSG_CACHE_BITS`, a delta: each round of a slot is sent once per host, so a message
+  still in flight when rank 0 decides can never start a phantom round).
+* **Decision** (:class:`CacheCoordinator`, rank 0): a slot is ready when every host reported it;
+  rank 0 sends each host leader one :data:`MSG_CACHE_DECIDE` listing the ready slots in slot
+  order, every rank rebuilds the responses from its table and runs them, the same list in the
+  same order everywhere. Rank 0 parses one message per host per cycle, never one per rank.
+* **Misses, mismatches, stalls.** A request that differs from its slot's signature is a miss
+  and is negotiated as before; when rank 0 receives a negotiated request for a name that holds
+  a slot, it *invalidates* the slot (every rank drops it, and ranks that marked it ready hand
+  the op to the negotiated path), so the coordinator sees every rank's request and reports the
+  mismatch with its usual text on every rank. A slot ready on some hosts but not all for the
+  stall-warning time, or involved in a suspected deadlock, is invalidated the same way, so the
+  stall inspector and the deadlock detector see per-rank requests and name the missing ranks.
+  Failure detection is the control plane's (every rank keeps its connection to rank 0).
+
+:mod:`benchmarks.control_plane_sim` runs this protocol for 64-1024 virtual ranks against a real
+rank 0; wiring it into the engine beside the fast lane is described in ``docs/multihost.md``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from hora.core.op.agreement import Signature, agrees, response_signature
+from hora.core.op.messages import OpKind, Request, Response
+from hora.errors import ProtocolError
+
+MSG_CACHE_BITS = "cbits"
+"""Host leader -> rank 0: ``{"bits": hex}``: slots that became ready on every rank of the host."""
+MSG_CACHE_DECIDE = "cdec"
+"""Rank 0 -> host leaders: ``{"slots": [...], "inval": [...]}``: run these slots now, in this
+order; drop these slots (their ops are negotiated)."""
+
+MAX_SLOTS = 1 << 16
+"""Most slots a job's table holds (the bit vectors stay under 8 KiB of hex)."""
+
+
+def encode_bits(mask: int) -> str:
+    """A set of slots as hex (bit ``s`` = slot ``s``)."""
+    return format(mask, "x")
+
+
+def decode_bits(text: object) -> int:
+    """The slots of a :data:`MSG_CACHE_BITS` message, checked.
+
+    Raises:
+        ProtocolError: not a hex string of at most ``MAX_SLOTS`` bits.
+    """
+    if not isinstance(text, str) or not text or len(text) > MAX_SLOTS // 4:
+        raise ProtocolError("malformed 'cbits' control message: bits must be a short hex string")
+    try:
+        return int(text, 16)
+    except ValueError:
+        raise ProtocolError("malformed 'cbits' control message: bits are not hex") from None
+
+
+def slots_of(mask: int) -> list[int]:
+    """The slot numbers set in ``mask``, ascending."""
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
+@dataclass
+class _Slot:
+    name: str
+    set_id: int
+    sig: Signature
+    response: Response
+
+
+class SlotTable:
+    """name -> slot for one job, the same on every rank (see the module's docstring)."""
+
+    def __init__(self, capacity: int = MAX_SLOTS) -> None:
+        self._capacity = min(capacity, MAX_SLOTS)
+        self._slots: dict[int, _Slot] = {}
+        self._by_name: dict[tuple[int, str], int] = {}
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def learn(self, resp: Response) -> int | None:
+        """Give a negotiated response's name a slot (single-tensor allreduce, explicit name);
+        returns it, or None when the response is not cacheable or the table is full."""
+        if (resp.kind is not OpKind.ALLREDUCE or len(resp.names) != 1 or resp.error
+                or resp.joined or ".noname." in resp.names[0]):
+            return None
+        key = (resp.set_id, resp.names[0])
+        if key in self._by_name:
+            return self._by_name[key]
+        if self._next >= self._capacity:
+            return None
+        slot, self._next = self._next, self._next + 1
+        self._slots[slot] = _Slot(resp.names[0], resp.set_id, response_signature(resp),
+                                  replace(resp, names=list(resp.names),
+                                          shapes=[list(s) for s in resp.shapes]))
+        self._by_name[key] = slot
+        return slot
+
+    def hit(self, req: Request) -> int | None:
+        """The slot of ``req`` when its name holds one and its signature agrees, else None."""
+        slot = self._by_name.get((req.set_id, req.name))
+        if slot is None or not agrees(self._slots[slot].sig, req):
+            return None
+        return slot
+
+    def slot_of(self, set_id: int, name: str) -> int | None:
+        return self._by_name.get((set_id, name))
+
+    def response(self, slot: int) -> Response:
+        """The response every rank runs for ``slot`` (a fresh copy)."""
+        resp = self._slots[slot].response
+        return replace(resp, names=list(resp.names), shapes=[list(s) for s in resp.shapes])
+
+    def invalidate(self, slot: int) -> str | None:
+        """Drop ``slot`` (its name is negotiated from now on until it is learned again);
+        returns its name."""
+        entry = self._slots.pop(slot, None)
+        if entry is None:
+            return None
+        self._by_name.pop((entry.set_id, entry.name), None)
+        return entry.name
+
+
+class HostBits:
+    """A host leader's view: which slots are ready on every rank of its host, and which of those
+    it has not told rank 0 yet. ``members`` local ranks each :meth:`mark` their ready slots."""
+
+    def __init__(self, members: int) -> None:
+        self._members = members
+        self._per_rank: list[int] = [0] * members
+        self._sent = 0
+
+    def mark(self, local: int, slot: int) -> None:
+        self._per_rank[local] |= 1 << slot
+
+    def delta(self) -> int:
+        """Slots ready on every local rank that rank 0 has not been told of (then told)."""
+        both = -1
+        for mask in self._per_rank:
+            both &= mask
+        new = both & ~self._sent
+        self._sent |= new
+        return new
+
+    def decided(self, slots: list[int]) -> None:
+        """Rank 0 decided (or invalidated) ``slots``: this round of them is over."""
+        clear = 0
+        for slot in slots:
+            clear |= 1 << slot
+        self._sent &= ~clear
+        self._per_rank = [mask & ~clear for mask in self._per_rank]
+
+
+class CacheCoordinator:
+    """Rank 0's side: per host, the slots its leader reported ready; a slot every host reported
+    is decided. Cost per message: one big-integer OR; per decision: one AND per host."""
+
+    def __init__(self, hosts: int) -> None:
+        self._hosts = hosts
+        self._ready: list[int] = [0] * hosts
+        self._since: dict[int, float] = {}  # slot -> when some host first reported it
+
+    def add(self, host: int, bits: int, now: float | None = None) -> None:
+        """Host ``host``'s leader reported ``bits`` (a delta)."""
+        self._ready[host] |= bits
+        stamp = time.monotonic() if now is None else now
+        for slot in slots_of(bits):
+            self._since.setdefault(slot, stamp)
+
+    def ready(self) -> list[int]:
+        """Slots every host reported, ascending; forgotten from every host's mask."""
+        every = -1
+        for mask in self._ready:
+            every &= mask
+        if not every:
+            return []
+        self._ready = [mask & ~every for mask in self._ready]
+        slots = slots_of(every)
+        for slot in slots:
+            self._since.pop(slot, None)
+        return slots
+
+    def waiting(self, older_than: float, now: float | None = None) -> list[int]:
+        """Slots some hosts reported and others not, for ``older_than`` seconds or more (the
+        stall inspector invalidates them, so that it sees which ranks are missing)."""
+        now = time.monotonic() if now is None else now
+        return sorted(s for s, t in self._since.items() if now - t >= older_than)
+
+    def missing_hosts(self, slot: int) -> list[int]:
+        """Hosts that have not reported ``slot`` yet."""
+        return [h for h, mask in enumerate(self._ready) if not mask >> slot & 1]
+
+    def invalidate(self, slots: list[int]) -> None:
+        """Forget ``slots`` everywhere (their ops are negotiated instead)."""
+        clear = 0
+        for slot in slots:
+            clear |= 1 << slot
+            self._since.pop(slot, None)
+        self._ready = [mask & ~clear for mask in self._ready]
+
+
+__all__ = ["MAX_SLOTS", "MSG_CACHE_BITS", "MSG_CACHE_DECIDE", "CacheCoordinator", "HostBits",
+           "SlotTable", "decode_bits", "encode_bits", "slots_of"]
