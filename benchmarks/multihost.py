@@ -90,6 +90,122 @@ def worker(op: str, sizes_mib: list[float], seconds: float) -> None:
     hora.shutdown()
 
 
+def _gloo_group() -> None:
+    """A torch.distributed gloo group over the same ranks, rank 0's address from ``-H``."""
+    import socket
+
+    import torch.distributed as dist
+
+    import hora
+
+    addr = os.environ.get("HORA_HOSTNAME", "127.0.0.1")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", _netns.IFACE)  # (else it binds 127.0.0.1)
+    if hora.rank() == 0:
+        with socket.socket() as probe:
+            probe.bind((addr, 0))
+            port = probe.getsockname()[1]
+    where = hora.broadcast_object((addr, port) if hora.rank() == 0 else None, 0, name="gloo")
+    dist.init_process_group("gloo", init_method=f"tcp://{where[0]}:{where[1]}",
+                            rank=hora.rank(), world_size=hora.size())
+
+
+def latency_worker(kib: float, reps: int, rounds: int) -> None:
+    """A named small allreduce repeated: hora vs gloo in the same processes, alternating."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import hora
+
+    torch.set_num_threads(1)
+    hora.init()
+    _gloo_group()
+    x = np.zeros(int(kib * 1024) // 4, np.float32)
+    t = torch.zeros(x.size)
+    times: dict[str, list[float]] = {"hora": [], "gloo": []}
+    for _ in range(20):  # warm-up: the name negotiated once, connections up
+        hora.allreduce_(x, op=hora.Sum, name="lat")
+        dist.all_reduce(t)
+    for _ in range(rounds):
+        for lib in ("hora", "gloo"):
+            dist.barrier()
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                if lib == "hora":
+                    hora.allreduce_(x, op=hora.Sum, name="lat")
+                else:
+                    dist.all_reduce(t)
+                times[lib].append(time.perf_counter() - t0)
+    med = {lib: statistics.median(v) for lib, v in times.items()}
+    slowest = hora.allgather_object(med, name="lat.med")
+    if hora.rank() == 0:
+        out = {lib: max(m[lib] for m in slowest) for lib in med}
+        print("RESULT " + json.dumps({"n": hora.size(), "kib": kib, "reps": reps * rounds,
+                                      "path": hora.core.engine.context.get().engine.data_path(),
+                                      **out}), flush=True)
+    dist.destroy_process_group()
+    hora.shutdown()
+
+
+def train_worker(steps: int, rounds: int, hidden: int) -> None:
+    """A training step: hora.torch.DistributedOptimizer vs DDP (gloo), same processes."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hora.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    _gloo_group()
+    torch.manual_seed(0)
+
+    def mlp() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(784, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
+                             nn.ReLU(), nn.Linear(hidden, 10))
+
+    gen = torch.Generator().manual_seed(1000 + hvd.rank())
+    x = torch.randn(64, 784, generator=gen)
+    y = torch.randint(0, 10, (64,), generator=gen)
+    steps_of = {}
+    for variant in ("hora", "ddp"):
+        model = mlp()
+        if variant == "hora":
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                           named_parameters=model.named_parameters())
+        else:
+            model = DDP(model)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def step(model: nn.Module = model, opt: torch.optim.Optimizer = opt) -> None:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        for _ in range(3):
+            step()
+        steps_of[variant] = step
+    times: dict[str, list[float]] = {"hora": [], "ddp": []}
+    for r in range(rounds):
+        for variant in (("hora", "ddp") if r % 2 == 0 else ("ddp", "hora")):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                steps_of[variant]()
+            times[variant].append((time.perf_counter() - t0) / steps)
+    med = {v: statistics.median(t) for v, t in times.items()}
+    slowest = hvd.allgather_object(med, name="train.med")
+    if hvd.rank() == 0:
+        params = sum(p.numel() for p in mlp().parameters())
+        out = {v: max(m[v] for m in slowest) for v in med}
+        print("RESULT " + json.dumps({"n": hvd.size(), "params": params, **out}), flush=True)
+    dist.destroy_process_group()
+    hvd.shutdown()
+
+
 # ---- orchestration -----------------------------------------------------------------------------
 
 def tcp_goodput(cluster: _netns.Cluster, mib: int = 64) -> float:
@@ -115,12 +231,13 @@ def tcp_goodput(cluster: _netns.Cluster, mib: int = 64) -> float:
 
 
 def run_job(cluster: _netns.Cluster, layout: list[int], sizes: list[float], seconds: float,
-            env: dict[str, str], op: str = "allreduce") -> dict[str, object]:
+            env: dict[str, str], op: str = "allreduce",
+            worker_args: list[str] | None = None) -> dict[str, object]:
     hosts = ",".join(f"{h.address}:{k}" for h, k in zip(cluster.hosts, layout))
+    args = worker_args or ["--op", op, "--seconds", str(seconds), "--mib", *map(str, sizes)]
     argv = cluster.hosts[0].argv(
         PY, "-m", "hora.runner", "run", "-np", str(sum(layout)), "-H", hosts, "-p",
-        str(_netns.SSH_PORT), "-i", cluster.identity, PY, __file__, "--worker", "--op", op,
-        "--seconds", str(seconds), "--mib", *map(str, sizes))
+        str(_netns.SSH_PORT), "-i", cluster.identity, PY, __file__, "--worker", *args)
     job_env = {**os.environ, **env, "PATH": f"{cluster.ssh_bin}:{os.environ['PATH']}"}
     done = subprocess.run(argv, env=job_env, capture_output=True, text=True, timeout=900)
     for line in done.stdout.splitlines():
@@ -145,6 +262,37 @@ def report(title: str, result: dict[str, object], link: float, op: str = "allred
               f"{busbw / 1e6:11.1f} {busbw / link:8.1%}")
 
 
+def small_jobs(args: argparse.Namespace) -> None:
+    """--latency / --train: hora against gloo in the same processes, on unshaped links unless
+    a rate was asked for."""
+    reason = _netns.unavailable(ssh=True, shaping=False)
+    if reason:
+        raise SystemExit(f"cannot run: {reason}")
+    hosts, per_host = (4, 1) if args.layout == "4x1" else (2, 2)
+    load = os.getloadavg()[0]
+    with _netns.Cluster(hosts, mtu=args.mtu) as cluster:
+        if "--rate" in sys.argv:
+            print("links: " + cluster.shape(args.rate, args.delay or None))
+        print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {load:.1f}; "
+              f"{hosts} hosts x {per_host} rank(s)", flush=True)
+        if args.latency:
+            res = run_job(cluster, [per_host] * hosts, [], 0, {}, worker_args=[
+                "--latency", str(args.latency), "--reps", str(args.reps),
+                "--rounds", str(args.rounds)])
+            print(f"named {args.latency:g} KiB allreduce x {res['reps']}, median of the "
+                  f"slowest rank: hora {res['hora'] * 1e3:.3f} ms ({res['path']}), gloo "
+                  f"{res['gloo'] * 1e3:.3f} ms: hora/gloo {res['hora'] / res['gloo']:.2f}x")
+        else:
+            res = run_job(cluster, [per_host] * hosts, [], 0, {}, worker_args=[
+                "--train", "--steps", str(args.steps), "--rounds", str(args.rounds),
+                "--hidden", str(args.hidden)])
+            print(f"training step, MLP 784-{args.hidden}-{args.hidden}-10 ({res['params']} "
+                  f"parameters), batch 64 per rank, median of the slowest rank: hora "
+                  f"{res['hora'] * 1e3:.1f} ms, DDP (gloo) {res['ddp'] * 1e3:.1f} ms: "
+                  f"hora/DDP time {res['hora'] / res['ddp']:.2f}x")
+        print(json.dumps(res))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layout", choices=["4x1", "2x2"], default="4x1",
@@ -159,10 +307,27 @@ def main() -> None:
                         help="the collective [default: allreduce]")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the flat (and hierarchical) jobs this many times, alternating")
+    parser.add_argument("--latency", type=float, metavar="KIB",
+                        help="instead: a named allreduce of KIB KiB repeated, hora vs gloo in "
+                             "the same processes (unshaped links unless --rate is given)")
+    parser.add_argument("--train", action="store_true",
+                        help="instead: a training step (MLP 784-H-H-10), hora.torch's "
+                             "DistributedOptimizer vs DDP over gloo (use --layout 2x2)")
+    parser.add_argument("--hidden", type=int, default=1024, help="--train: hidden width")
+    parser.add_argument("--reps", type=int, default=200, help="--latency: ops per round")
+    parser.add_argument("--steps", type=int, default=5, help="--train: steps per round")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.op, args.mib, args.seconds)
+        if args.latency:
+            latency_worker(args.latency, args.reps, args.rounds)
+        elif args.train:
+            train_worker(args.steps, args.rounds, args.hidden)
+        else:
+            worker(args.op, args.mib, args.seconds)
+        return
+    if args.latency or args.train:
+        small_jobs(args)
         return
     reason = _netns.unavailable(ssh=True, shaping=True)
     if reason:

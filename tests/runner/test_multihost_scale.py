@@ -1,0 +1,56 @@
+"""Connections across real hosts (network namespaces with sshd, as test_multihost.py): a rank
+holds its ring neighbours, host leaders and rank 0's control connection, not a full mesh; an
+alltoall opens the others on first use, across hosts, and gets the right result."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .helpers import PY, Launcher, clean_env
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _netns  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+
+WORKER = str(Path(__file__).with_name("multihost_scale_worker.py"))
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[_netns.Cluster]:
+    reason = _netns.unavailable(ssh=True)
+    if reason is not None:
+        pytest.skip(f"multi-host tests need network namespaces and sshd: {reason}")
+    with _netns.Cluster(3) as made:
+        yield made
+
+
+def test_connections_scale_and_open_on_first_use(cluster: _netns.Cluster,
+                                                 tmp_path: Path) -> None:
+    hosts = ",".join(f"{h.address}:2" for h in cluster.hosts)  # 6 ranks, 3 hosts x 2
+    argv = cluster.hosts[0].argv(PY, "-m", "hora.runner", "run", "-p", str(_netns.SSH_PORT),
+                                 "-i", cluster.identity, "-np", "6", "-H", hosts, PY, WORKER)
+    env = clean_env(HORA_HIERARCHICAL_ALLREDUCE="0")  # the flat ring: neighbours only
+    env["PATH"] = f"{cluster.ssh_bin}:{env['PATH']}"
+    with Launcher(argv=argv, env=env, cwd=tmp_path) as launcher:
+        result = launcher.wait(60)
+    assert result.rc == 0, result.err[-3000:]
+    rows = {}
+    for lines in result.lines().values():
+        for line in lines:
+            if line.startswith("{"):
+                row = json.loads(line)
+                rows[row["rank"]] = row
+    assert sorted(rows) == list(range(6))
+    for rank, row in rows.items():
+        leader = rank % 2 == 0  # ranks 0, 2, 4 lead hosts 0, 1, 2
+        assert row["start"] == [4 if leader else 2, 5 if rank == 0 else 1], row
+        # a small allreduce is recursive doubling: on 6 ranks, 2 <-> 5 is opened for it
+        assert row["start"][0] <= row["ring"][0] <= row["after"][0]
+        assert row["after"][0] == 5, row  # the alltoall reached every other rank
+        assert row["sum_ok"] and row["a2a_ok"], row
