@@ -89,6 +89,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         self._owned: set[torch.Tensor] = set()
         self._shard: int | None = None
         self._hook_handles: list[Any] = []
+        self._buffers: dict[Any, torch.Tensor] = {}
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
@@ -124,6 +125,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         for p in list(self.state):
             if p not in self._owned:
                 del self.state[p]
+        self._buffers = {}
         self._plan_key = key
         log.debug("ShardedOptimizer(%s): %d parameters in %d shards, imbalance %.3f, "
                   "padding %.3f", self._hora_base.__name__, len(self._trainable), size,
@@ -146,6 +148,19 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         self._passes[p] = n
 
     # ---- collectives ---------------------------------------------------------------------------
+    def _pool(self, kind: str, bucket: sharding.Bucket, rows: int, k: int) -> torch.Tensor:
+        """A ``[rows, bucket.width]`` view of one of two reused flat buffers per kind, dtype and
+        device (bucket ``k`` takes buffer ``k % 2``: two buckets are in flight at most, and a
+        buffer is used again only after its op was waited for)."""
+        first = self._trainable[bucket.slots[0].index]
+        key = (kind, first.dtype, first.device, k % 2)
+        need = rows * max(b.width for b in self._buckets)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < need:
+            buf = torch.empty(need, dtype=first.dtype, device=first.device)
+            self._buffers[key] = buf
+        return buf[:rows * bucket.width].view(rows, bucket.width)
+
     def _reduce_scatter(self) -> None:
         """Average every gradient into its owner's ``.grad``; the gradients of parameters other
         ranks own are released (``None``). One bucket at a time, the next one in flight while
@@ -155,9 +170,8 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         pre, post = distopt.scale_factors(self.op, self.gradient_predivide_factor)
         pending: list[tuple[sharding.Bucket, Any, Any]] = []
         for k, bucket in enumerate(self._buckets):
-            buf = self._pack_grads(bucket)
+            buf = self._pack_grads(bucket, k)
             compressed, ctx = self._compression.compress(buf)
-            del buf
             handle = ops.reducescatter_async(compressed, name=f"sharded_optimizer.grads.{k}",
                                              op=self.op, prescale_factor=pre,
                                              postscale_factor=post,
@@ -168,19 +182,25 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         for item in pending:
             self._write_grads(*item)
 
-    def _pack_grads(self, bucket: sharding.Bucket) -> torch.Tensor:
+    def _pack_grads(self, bucket: sharding.Bucket, k: int) -> torch.Tensor:
         assert self._plan is not None
-        first = self._trainable[bucket.slots[0].index]
-        buf = torch.zeros((self._plan.size, bucket.width), dtype=first.dtype,
-                          device=first.device)
+        buf = self._pool("grads", bucket, self._plan.size, k)
+        fill = [0] * self._plan.size
         for slot in bucket.slots:
             p = self._trainable[slot.index]
             grad = p.grad
-            if grad is not None:
-                dense = grad.to_dense() if grad.is_sparse else grad
-                buf[slot.shard, slot.offset:slot.offset + slot.numel].copy_(dense.reshape(-1))
-                if slot.shard != self._shard:
-                    p.grad = None
+            target = buf[slot.shard, slot.offset:slot.offset + slot.numel]
+            fill[slot.shard] = max(fill[slot.shard], slot.offset + slot.numel)
+            if grad is None:
+                target.zero_()
+                continue
+            dense = grad.to_dense() if grad.is_sparse else grad
+            target.copy_(dense.reshape(-1))
+            if slot.shard != self._shard:
+                p.grad = None
+        for shard, used in enumerate(fill):
+            if used < bucket.width:
+                buf[shard, used:].zero_()
         return buf
 
     def _write_grads(self, bucket: sharding.Bucket, handle: Any, ctx: Any) -> None:
@@ -190,11 +210,8 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             if slot.shard != self._shard:
                 continue
             p = self._trainable[slot.index]
-            value = row[slot.offset:slot.offset + slot.numel].view_as(p)
-            if p.grad is None or p.grad.is_sparse:
-                p.grad = value.clone()
-            else:
-                p.grad.copy_(value)
+            # the averaged gradient is a view of the reduce-scatter's result: no copy
+            p.grad = row[slot.offset:slot.offset + slot.numel].view_as(p)
 
     def _allgather_parameters(self) -> None:
         """Every owner's new values into every rank's parameters, one bucket at a time (the
@@ -202,15 +219,17 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         assert self._plan is not None and self._shard is not None
         pending: list[tuple[sharding.Bucket, Any]] = []
         for k, bucket in enumerate(self._buckets):
-            first = self._trainable[bucket.slots[0].index]
-            row = torch.zeros((1, bucket.width), dtype=first.dtype, device=first.device)
+            row = self._pool("params", bucket, 1, k)
+            used = 0
             for slot in bucket.slots:
                 if slot.shard == self._shard:
                     row[0, slot.offset:slot.offset + slot.numel].copy_(
                         self._trainable[slot.index].detach().reshape(-1))
+                    used = max(used, slot.offset + slot.numel)
+            if used < bucket.width:
+                row[0, used:].zero_()
             pending.append((bucket, ops.allgather_async(
                 row, name=f"sharded_optimizer.params.{k}", process_set=self.process_set)))
-            del row
             if len(pending) > 1:
                 self._write_params(*pending.pop(0))
         for item in pending:
@@ -400,7 +419,7 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horovod-s
                      backward_passes_per_step: int = 1, op: int = ReduceOp.Average,
                      gradient_predivide_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set,
-                     bucket_bytes: int = 64 * 2**20) -> Any:
+                     bucket_bytes: int = 32 * 2**20) -> Any:
     """Wrap ``optimizer`` (hora-only): gradients averaged across the process set as
     :func:`hora.torch.DistributedOptimizer` does, optimizer state sharded across its members.
 
@@ -417,8 +436,8 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horovod-s
             the whole optimizer locally.
         bucket_bytes: hora-only: the most bytes of one rank's row in one packed buffer (a
             reduce-scatter and an allgather per bucket, two in flight; a larger parameter gets
-            a bucket of its own). Bounds the step's extra memory to about
-            ``2 * size * bucket_bytes``.
+            a bucket of its own). The step reuses two packed buffers of ``size`` rows and two
+            rows for the allgather: ``2 * (size + 1) * bucket_bytes`` of memory kept.
 
     Raises:
         ValueError: an op other than Average / Sum, invalid options or ``named_parameters``.
