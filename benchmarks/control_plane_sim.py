@@ -123,6 +123,14 @@ class _Proc:
         return transport, stamps
 
 
+def _counts(transport: Any) -> list[int]:
+    """``[data, control]`` connections of a transport (before ``connection_counts`` existed:
+    its dictionaries, to measure older versions)."""
+    if hasattr(transport, "connection_counts"):
+        return list(transport.connection_counts())
+    return [len(transport._data), len(transport._control)]
+
+
 def _threads(ranks: list[int], body: Any) -> list[Any]:
     out: list[Any] = [None] * len(ranks)
     errors: list[BaseException] = []
@@ -166,7 +174,7 @@ def root_main(args: argparse.Namespace) -> None:
     coordinator = Coordinator(registry, config_mod.load())
     members = list(range(1, size))
     proc.store.set("sim", "res.0", json.dumps({"took": [took], "conns": [
-        list(transport.connection_counts())]}).encode())
+        _counts(transport)]}).encode())
 
     table = SlotTable()
     count = dict.fromkeys(("uncached_in", "uncached_in_bytes", "uncached_out",
@@ -263,7 +271,7 @@ def host_main(args: argparse.Namespace) -> None:
     transports = {r: t for r, (t, _) in zip(ranks, results)}
     proc.store.set("sim", f"res.{args.proc}", json.dumps({
         "took": [took for _, took in results],
-        "conns": [list(t.connection_counts()) for t, _ in results]}).encode())
+        "conns": [_counts(t) for t, _ in results]}).encode())
     tables = {r: SlotTable() for r in ranks}
 
     def uncached(rank: int) -> None:

@@ -11,8 +11,10 @@ request. The wire format is binary and length-prefixed::
 
     frame    = length:u32 | payload            (length <= MAX_FRAME, checked before allocating)
     request  = op:u8 | scope_len:u16 | scope | key_len:u16 | key | operand
-               operand: SET -> value bytes; GET -> timeout:f64; DELETE -> none; ADD -> delta:i64
-    response = status:u8 | body     (OK: value / i64 / existed:u8; MISSING; ERROR: utf-8 message)
+               operand: SET -> value bytes; GET -> timeout:f64; DELETE -> none; ADD -> delta:i64;
+               MGET -> keys joined by NUL (key empty)
+    response = status:u8 | body     (OK: value / i64 / existed:u8 / MGET: per key
+               length:u32 | value, 0xFFFFFFFF for an absent key; MISSING; ERROR: utf-8 message)
 
 A client that fails authentication or breaks the protocol is logged at warning level and dropped;
 other clients are not disturbed.
@@ -37,11 +39,13 @@ from hora.rendezvous.store_wire import (
     OK,
     OP_DELETE,
     OP_GET,
+    OP_MGET,
     OP_SET,
     StoreRequest,
     _recv_frame,
     _send_frame,
     decode_request,
+    encode_values,
 )
 
 if TYPE_CHECKING:
@@ -246,6 +250,9 @@ class KVStoreServer:
                         waiting[1][0] -= 1
                         if not waiting[1][0]:
                             self._key_conds.pop((req.scope, req.key), None)
+            if req.op == OP_MGET:  # every key at once, present or not (no waiting)
+                scope = self._data.get(req.scope) or {}
+                return bytes([OK]) + encode_values([scope.get(k) for k in req.keys])
             if req.op == OP_DELETE:
                 existed = scope is not None and scope.pop(req.key, None) is not None
                 if scope is not None and not scope:

@@ -30,10 +30,12 @@ from hora.rendezvous.store_wire import (
     OP_ADD,
     OP_DELETE,
     OP_GET,
+    OP_MGET,
     OP_SET,
     StoreRequest,
     _recv_frame,
     _send_frame,
+    decode_values,
     encode_request,
 )
 
@@ -240,6 +242,21 @@ class KVStoreClient:
                         arrived = now_arrived
                         idle_until = time.monotonic() + idle
         return values
+
+    def get_many(self, scope: str, keys: Iterable[str]) -> dict[str, bytes]:
+        """The values of those of ``keys`` that exist in ``scope`` now, in one request (no
+        waiting): the last rank to arrive reads every rank's address this way.
+
+        Raises:
+            RendezvousError: the store is unreachable or answered garbage.
+        """
+        wanted = list(keys)
+        _, body = self._call(StoreRequest(OP_MGET, scope, "", keys=tuple(wanted)))
+        try:
+            values = decode_values(body, len(wanted))
+        except FrameError as exc:
+            raise RendezvousError(f"rendezvous store at {self.address}: {exc}") from None
+        return {k: v for k, v in zip(wanted, values) if v is not None}
 
     def missing(self, scope: str, keys: Iterable[str]) -> list[str]:
         """Those of ``keys`` that do not exist in ``scope`` right now (no waiting).

@@ -19,13 +19,16 @@ MAX_FRAME = 64 * 1024 * 1024 + 1024
 AUTH_CONTEXT = b"hora-kvstore"
 """The context both ends of a store connection bind into the handshake (:mod:`hora._util.auth`)."""
 
-OP_SET, OP_GET, OP_DELETE, OP_ADD = 1, 2, 3, 4
+OP_SET, OP_GET, OP_DELETE, OP_ADD, OP_MGET = 1, 2, 3, 4, 5
 OK, MISSING, ERROR = 0, 1, 2
 
 _LEN = struct.Struct("!I")
 _U16 = struct.Struct("!H")
 _F64 = struct.Struct("!d")
 _I64 = struct.Struct("!q")
+_U32 = struct.Struct("!I")
+MGET_ABSENT = 0xFFFFFFFF
+"""Length that marks an absent key in an MGET response."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class StoreRequest:
     value: bytes = b""
     timeout: float = 0.0
     delta: int = 0
+    keys: tuple[str, ...] = ()  # MGET: the keys (``key`` is empty)
 
 
 def encode_request(req: StoreRequest) -> bytes:
@@ -54,6 +58,8 @@ def encode_request(req: StoreRequest) -> bytes:
         parts += [_U16.pack(len(raw)), raw]
     if req.op == OP_SET:
         parts.append(req.value)
+    elif req.op == OP_MGET:
+        parts.append("\0".join(req.keys).encode())
     elif req.op == OP_GET:
         parts.append(_F64.pack(req.timeout))
     elif req.op == OP_ADD:
@@ -92,6 +98,12 @@ def decode_request(payload: bytes | bytearray | memoryview) -> StoreRequest:
     rest = view[offset:]
     if op == OP_SET:
         return StoreRequest(op, scope, key, value=bytes(rest))
+    if op == OP_MGET:
+        try:
+            keys = tuple(bytes(rest).decode().split("\0")) if len(rest) else ()
+        except UnicodeDecodeError:
+            raise FrameError("MGET keys are not valid UTF-8") from None
+        return StoreRequest(op, scope, key, keys=keys)
     if op == OP_GET:
         if len(rest) != _F64.size:
             raise FrameError("GET needs exactly an 8-byte timeout")
@@ -108,6 +120,42 @@ def decode_request(payload: bytes | bytearray | memoryview) -> StoreRequest:
             raise FrameError("ADD needs exactly an 8-byte delta")
         return StoreRequest(op, scope, key, delta=_I64.unpack(rest)[0])
     raise FrameError(f"unknown op {op}")
+
+
+def encode_values(values: list[bytes | None]) -> bytes:
+    """An MGET response body: per key, ``length:u32 | value`` (``MGET_ABSENT``: no value)."""
+    parts = []
+    for value in values:
+        if value is None:
+            parts.append(_U32.pack(MGET_ABSENT))
+        else:
+            parts += [_U32.pack(len(value)), value]
+    return b"".join(parts)
+
+
+def decode_values(body: bytes, count: int) -> list[bytes | None]:
+    """Inverse of :func:`encode_values` for ``count`` keys.
+
+    Raises:
+        FrameError: truncated or with bytes left over.
+    """
+    out: list[bytes | None] = []
+    offset = 0
+    for _ in range(count):
+        if offset + 4 > len(body):
+            raise FrameError("truncated MGET response")
+        (length,) = _U32.unpack_from(body, offset)
+        offset += 4
+        if length == MGET_ABSENT:
+            out.append(None)
+            continue
+        if offset + length > len(body):
+            raise FrameError("truncated MGET value")
+        out.append(body[offset:offset + length])
+        offset += length
+    if offset != len(body):
+        raise FrameError("MGET response has bytes left over")
+    return out
 
 
 def _recv_frame(sock: socket.socket, deadline: float | None, io_timeout: float) -> bytes | None:

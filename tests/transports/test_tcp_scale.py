@@ -152,3 +152,14 @@ def test_control_plane_simulator_small() -> None:
     assert per["uncached_in"] == 31 and per["uncached_out"] == 31
     assert per["cached_in"] == 3 and per["cached_out"] == 3  # one message per other host
     assert row["rendezvous_s"] < 30
+
+
+def test_store_get_many_reads_keys_in_one_request(server: KVStoreServer,
+                                                  cleanup: list[Any]) -> None:
+    store = KVStoreClient("127.0.0.1", server.port, SECRET, 10.0)
+    cleanup.append(store)
+    store.set("m", "a", b"1")
+    store.set("m", "b", b"")
+    assert store.get_many("m", ["a", "b", "zz"]) == {"a": b"1", "b": b""}
+    assert store.get_many("nothing", ["a"]) == {}
+    assert store.get_many("m", []) == {}
