@@ -14,15 +14,14 @@ Board: the rest of each header (:meth:`ShmFabric.board`) is plain shared words, 
 readable and writable by every rank of the group, for protocols built on top.
 
 Signals: each rank's header holds one 32-bit counter that only it increments. A rank *posts* by
-incrementing it and waking futex waiters (one system call); a peer *waits* for the counter to
-reach a value by checking it a few hundred times (microseconds; longer where a collective
-expects the peer to be a large step behind and every rank has a core), then sleeping in
-``FUTEX_WAIT`` on it (a real blocking wait: no core is burnt) in slices of
-:data:`WAIT_SLICE_S`, checking between slices
-its deadline, whether the peer closed its group (a header flag; closing wakes waiters at once)
-and whether the peer's process is still alive (``/proc/<pid>`` with the start time from its
-header, so a reused pid is not mistaken for it; peers in another pid namespace are not checked
-and rely on the deadline).
+incrementing it and waking the peers that flagged (in its header) that they sleep on it; a peer
+*waits* for the counter to reach a value by checking it a few hundred times (microseconds;
+longer where a collective expects the peer to be a large step behind and every rank has a
+core), then sleeping in ``FUTEX_WAIT`` on it (a real blocking wait: no core is burnt) in slices
+of :data:`WAIT_SLICE_S`, checking between slices its deadline, whether the peer closed its group
+(a header flag; closing wakes waiters at once) and whether the peer's process is still alive
+(``/proc/<pid>`` with the start time from its header, so a reused pid is not mistaken for it;
+peers in another pid namespace are not checked and rely on the deadline).
 
 Memory ordering: data is written with ordinary stores before the counter store and read after
 the counter is seen, which x86-64 (TSO) keeps in order. Elsewhere the spin is skipped and every
@@ -97,6 +96,8 @@ _MAGIC, _VERSION = 0x41524F48, 1  # "HORA"
  _W_TOKEN_HI) = range(8)
 _W_CAP = (8, 9)  # capacity of data segment d0 / d1, in KiB
 _W_COUNTER = 16
+_W_ASLEEP = 32  # word 32 + r: 1 while rank r sleeps on this header's counter (own cache line)
+_ASLEEP_RANKS = BOARD_WORD - _W_ASLEEP  # groups up to this size flag their sleepers
 _READY, _CLOSED = 1, 2
 _KINDS = ("h", "d0", "d1")
 
@@ -144,6 +145,11 @@ class ShmFabric:
         exchanged by :meth:`create`): ``size <= cores`` means every rank can have a core of its
         own, also when a launcher binds each rank to one core (``mpirun``: one core per
         process, two cores for the group)."""
+        # A poster wakes the futex only when a peer flagged that it sleeps on the counter (the
+        # wake is a system call, ~1 us, on every signal otherwise); larger groups always wake.
+        flagged = self.size <= _ASLEEP_RANKS
+        self._asleep_words = [_W_ASLEEP + p for p in peers] if flagged else []
+        self._asleep = _W_ASLEEP + self.rank if flagged else -1
         self._long_spins = SPIN_ALLOWED and self.size <= self.cores
         self._spin = (SPIN_CHECKS if self.size <= self.cores else SPIN_CHECKS_OVERSUBSCRIBED
                       ) if SPIN_ALLOWED else 0
@@ -278,10 +284,23 @@ class ShmFabric:
         return self._posted
 
     def post(self) -> int:
-        """Signal every peer (increment this rank's counter and wake waiters); the new count."""
+        """Signal every peer (increment this rank's counter and wake waiters); the new count.
+
+        A peer that goes to sleep on the counter first sets its flag in this header, then
+        sleeps only while the counter still holds the value it read (``FUTEX_WAIT`` compares
+        it): a wake is needed only when a flag is set after the counter's store
+        (:func:`~hora.transports.shm.wait_word`, the same scheme as the fast lane's doorbells).
+        """
         self._posted = (self._posted + 1) & MASK
-        self._header[_W_COUNTER] = self._posted
-        futex_wake(self._counter_address)
+        header = self._header
+        header[_W_COUNTER] = self._posted
+        if self._asleep < 0:
+            futex_wake(self._counter_address)
+        else:
+            for word in self._asleep_words:
+                if header[word]:
+                    futex_wake(self._counter_address)
+                    break
         return self._posted
 
     def wait_all(self, target: int, spins: int = 0) -> None:
@@ -310,7 +329,7 @@ class ShmFabric:
         address = self._peer_counters[peer]
         spin = self._spin if spins <= self._spin or not self._long_spins else spins
         if wait_word(header, _W_COUNTER, address, target, spin,
-                     min(WAIT_SLICE_S, self.timeout)):
+                     min(WAIT_SLICE_S, self.timeout), self._asleep):
             return
         start = time.monotonic()
         deadline = start + self.timeout
@@ -330,7 +349,7 @@ class ShmFabric:
                     f"{header[_W_COUNTER]}); it may be stuck, much slower, or in a different "
                     "collective. HINT: raise HORA_TIMEOUT_SECONDS if this is expected.")
             if wait_word(header, _W_COUNTER, address, target, 0,
-                         min(WAIT_SLICE_S, deadline - now)):
+                         min(WAIT_SLICE_S, deadline - now), self._asleep):
                 return
 
     def _alive(self, peer: int) -> bool:

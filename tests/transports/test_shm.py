@@ -32,7 +32,7 @@ from hora.transports.shm import (
     remove_job_segments,
     segment_path,
 )
-from hora.transports.shm_fabric import ShmFabric
+from hora.transports.shm_fabric import _W_ASLEEP, ShmFabric
 
 _ids = itertools.count()
 
@@ -205,6 +205,51 @@ def test_wait_times_out_naming_the_peer(job_id: str) -> None:
             fabric.close()
 
     assert 0.15 < run_world(2, body)[0] < 0.6
+
+
+def test_a_sleeping_wait_is_woken_by_the_post(job_id: str, monkeypatch: Any) -> None:
+    """A waiter that goes to sleep flags it in the poster's header, and the post wakes it: with
+    the wait's slices an hour long, a lost wake-up would hang this test (until its timeout)."""
+    monkeypatch.setattr("hora.transports.shm_fabric.WAIT_SLICE_S", 3600.0)
+
+    def body(transport: Any) -> tuple[int, list[int]]:
+        fabric = ShmFabric.create(transport.comm(), job_id, timeout=3600.0)
+        fabric._spin = 0  # every wait that is not already satisfied sleeps at once
+        try:
+            for i in range(1, 101):
+                if transport.rank == i % 2:
+                    time.sleep(0.002)  # the other rank gets there first, and sleeps
+                fabric.wait_all(fabric.post())
+            # this rank's sleep flag in the peer's header
+            return fabric.posted, [fabric._peer_headers[1 - transport.rank][
+                _W_ASLEEP + transport.rank]]
+        finally:
+            fabric.close()
+
+    assert run_world(2, body) == [(100, [0]), (100, [0])]  # and every sleep flag is down
+
+
+def test_a_post_nobody_sleeps_on_makes_no_system_call(job_id: str, monkeypatch: Any) -> None:
+    wakes: list[int] = []
+    monkeypatch.setattr("hora.transports.shm_fabric.futex_wake", wakes.append)
+    posted = threading.Event()
+
+    def body(transport: Any) -> int:
+        fabric = ShmFabric.create(transport.comm(), job_id, timeout=10.0)
+        try:
+            if transport.rank == 0:
+                for _ in range(10):
+                    fabric.post()
+                made = len(wakes)
+                posted.set()
+                return made
+            posted.wait(10.0)
+            fabric.wait(0, 10)  # reached already: no sleep, no flag
+            return 0
+        finally:
+            fabric.close()
+
+    assert run_world(2, body) == [0, 0]
 
 
 def test_a_dead_peer_process_is_detected(job_id: str) -> None:
