@@ -129,11 +129,12 @@ SHM_CHUNK_BYTES_OVERSUBSCRIBED = 1024 * 1024
 may then wait for a peer to be scheduled, so fewer, larger chunks (docs/benchmarks.md,
 "Measurements behind the code's constants")."""
 
-SHM_ONE_CHUNK_BYTES = 4 * 1024 * 1024
+SHM_ONE_CHUNK_BYTES = 2 * 1024 * 1024
 """Buffers up to this size run the ``chunked`` algorithm as one chunk: two signal rounds in all
-instead of two per :data:`SHM_CHUNK_BYTES`. Every signal round in which the peer is a little
-behind costs a wait, and on 2 cores both ranks are busy anyway, so pipelining buys nothing at
-these sizes (docs/benchmarks.md, "Measurements behind the code's constants")."""
+instead of two per :data:`SHM_CHUNK_BYTES`. A small buffer's copies are short next to the
+Python and the signals of more chunks; from a few MiB on, chunks pipeline the ranks' phases and
+bound each wait to a chunk's work, which matters most when a rank is a little behind or loses
+its core for a moment (docs/benchmarks.md, "Measurements behind the code's constants")."""
 
 
 def select_shm_allreduce(nbytes: int, size: int,
