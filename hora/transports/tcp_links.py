@@ -19,7 +19,7 @@ from typing import Any
 from hora._util import auth
 from hora._util.log import get_logger
 from hora._util.net import recv_bytes, send_all
-from hora.errors import AuthenticationError, HoraTimeoutError, TransportError
+from hora.errors import AuthenticationError, HoraTimeoutError, PeerLostError, TransportError
 
 log = get_logger(__name__)
 
@@ -119,6 +119,13 @@ class LazyLinks:
             try:
                 sock = socket.create_connection(address, timeout=left)
                 break
+            except ConnectionRefusedError:
+                # Its listener was open before it published its address and stays open while
+                # its transport lives: a refusal means the peer's transport is gone.
+                raise PeerLostError(
+                    f"{self.describe(peer)} refused the data connection rank {self._rank} "
+                    f"opened on first use (nothing listens at {address[0]}:{address[1]} any "
+                    f"more): {LOST_HINT}", peer=peer) from None
             except OSError as exc:
                 last = exc
                 time.sleep(min(delay, max(0.0, deadline - time.monotonic())))

@@ -163,3 +163,17 @@ def test_store_get_many_reads_keys_in_one_request(server: KVStoreServer,
     assert store.get_many("m", ["a", "b", "zz"]) == {"a": b"1", "b": b""}
     assert store.get_many("nothing", ["a"]) == {}
     assert store.get_many("m", []) == {}
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_gone_before_first_use_is_lost_at_once(server: KVStoreServer,
+                                                      cleanup: list[Any]) -> None:
+    """Connecting to a lower rank whose transport closed: refused, a PeerLostError naming it
+    at once (not a wait for the timeout)."""
+    from hora.errors import PeerLostError
+
+    world = _world(server, cleanup, [f"h{r}" for r in range(5)], timeout=20.0)
+    world[1].close()
+    with pytest.raises(PeerLostError, match=r"rank 1 \(host h1\) refused") as info:
+        world[3].recv_into(1, np.empty(4, np.uint8))
+    assert info.value.peer == 1
