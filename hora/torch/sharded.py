@@ -42,25 +42,21 @@ from hora.torch import ops
 from hora.torch.compression import Compression, Compressor
 from hora.torch.elastic import state as _elastic_state
 from hora.torch.elastic._snapshot import snapshot, thawed
+from hora.torch.sharded_buckets import ShardedCollectives
 from hora.torch.wrapping import init_wrapped
 
 log = get_logger(__name__)
 
-_TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before "
-                    "call to step(). Increase backward_passes_per_step to accumulate gradients "
-                    "locally.")
+_ZERO_GRAD_PENDING = ("optimizer.zero_grad() was called after loss.backward() but before "
+                      "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
+                      "cause a race condition.")
 _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
                     "optimizer.synchronize(). This can cause training slowdown. You may want to "
                     "consider using optimizer.skip_synchronize() context if you use "
                     "optimizer.synchronize() in your code.")
 
 
-class _ShardedMarker:
-    """Base of every runtime ``ShardedOptimizer`` class (``isinstance`` finds them: the elastic
-    state handler registry keys on it)."""
-
-
-class _ShardedOptimizer(torch.optim.Optimizer):
+class _ShardedOptimizer(torch.optim.Optimizer, ShardedCollectives):
     """Methods mixed into the runtime subclass of the wrapped optimizer's class."""
 
     _hora_sharded = True
@@ -90,6 +86,12 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         self._shard: int | None = None
         self._hook_handles: list[Any] = []
         self._buffers: dict[Any, torch.Tensor] = {}
+        self._bucket_of: dict[torch.Tensor, int] = {}
+        self._order: list[int] = []
+        self._waiting: list[int] = []
+        self._next = 0
+        self._pending: list[tuple[sharding.Bucket, Any, Any]] = []
+        self._launches = 0
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
@@ -126,138 +128,19 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             if p not in self._owned:
                 del self.state[p]
         self._buffers = {}
+        self._bucket_of = {self._trainable[slot.index]: k for k, b in enumerate(self._buckets)
+                           for slot in b.slots}
+        self._order = list(reversed(range(len(self._buckets))))
+        self._new_round()
         self._plan_key = key
         log.debug("ShardedOptimizer(%s): %d parameters in %d shards, imbalance %.3f, "
                   "padding %.3f", self._hora_base.__name__, len(self._trainable), size,
                   self._plan.imbalance(), sharding.padding_ratio(self._buckets, size))
 
-    @property
-    def _sharded(self) -> bool:
-        return self._shard is not None and self._plan is not None and self._plan.size > 1
-
     def owned_parameters(self) -> list[torch.Tensor]:
         """The parameters whose optimizer state lives on this rank (hora-only)."""
         self._replan()
         return [p for p in self._trainable if p in self._owned]
-
-    # ---- hooks ---------------------------------------------------------------------------------
-    def _count_pass(self, p: torch.Tensor) -> None:
-        n = self._passes.get(p, 0) + 1
-        if n > self.backward_passes_per_step:
-            raise AssertionError(_TOO_MANY_PASSES)
-        self._passes[p] = n
-
-    # ---- collectives ---------------------------------------------------------------------------
-    def _pool(self, kind: str, bucket: sharding.Bucket, rows: int, k: int) -> torch.Tensor:
-        """A ``[rows, bucket.width]`` view of one of two reused flat buffers per kind, dtype and
-        device (bucket ``k`` takes buffer ``k % 2``: two buckets are in flight at most, and a
-        buffer is used again only after its op was waited for)."""
-        first = self._trainable[bucket.slots[0].index]
-        key = (kind, first.dtype, first.device, k % 2)
-        need = rows * max(b.width for b in self._buckets)
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() < need:
-            buf = torch.empty(need, dtype=first.dtype, device=first.device)
-            self._buffers[key] = buf
-        return buf[:rows * bucket.width].view(rows, bucket.width)
-
-    def _reduce_scatter(self) -> None:
-        """Average every gradient into its owner's ``.grad``; the gradients of parameters other
-        ranks own are released (``None``). One bucket at a time, the next one in flight while
-        the last one is written back (``bucket_bytes`` bounds the packed buffers)."""
-        self._passes.clear()
-        assert self._plan is not None and self._shard is not None
-        pre, post = distopt.scale_factors(self.op, self.gradient_predivide_factor)
-        pending: list[tuple[sharding.Bucket, Any, Any]] = []
-        for k, bucket in enumerate(self._buckets):
-            buf = self._pack_grads(bucket, k)
-            compressed, ctx = self._compression.compress(buf)
-            handle = ops.reducescatter_async(compressed, name=f"sharded_optimizer.grads.{k}",
-                                             op=self.op, prescale_factor=pre,
-                                             postscale_factor=post,
-                                             process_set=self.process_set)
-            pending.append((bucket, handle, ctx))
-            if len(pending) > 1:
-                self._write_grads(*pending.pop(0))
-        for item in pending:
-            self._write_grads(*item)
-
-    def _pack_grads(self, bucket: sharding.Bucket, k: int) -> torch.Tensor:
-        assert self._plan is not None
-        buf = self._pool("grads", bucket, self._plan.size, k)
-        fill = [0] * self._plan.size
-        for slot in bucket.slots:
-            p = self._trainable[slot.index]
-            grad = p.grad
-            target = buf[slot.shard, slot.offset:slot.offset + slot.numel]
-            fill[slot.shard] = max(fill[slot.shard], slot.offset + slot.numel)
-            if grad is None:
-                target.zero_()
-                continue
-            dense = grad.to_dense() if grad.is_sparse else grad
-            target.copy_(dense.reshape(-1))
-            if slot.shard != self._shard:
-                p.grad = None
-        for shard, used in enumerate(fill):
-            if used < bucket.width:
-                buf[shard, used:].zero_()
-        return buf
-
-    def _write_grads(self, bucket: sharding.Bucket, handle: Any, ctx: Any) -> None:
-        out = ops.synchronize(handle)
-        row = self._compression.decompress(out, ctx).reshape(-1)
-        for slot in bucket.slots:
-            if slot.shard != self._shard:
-                continue
-            p = self._trainable[slot.index]
-            # the averaged gradient is a view of the reduce-scatter's result: no copy
-            p.grad = row[slot.offset:slot.offset + slot.numel].view_as(p)
-
-    def _allgather_parameters(self) -> None:
-        """Every owner's new values into every rank's parameters, one bucket at a time (the
-        next one in flight while the last one is written)."""
-        assert self._plan is not None and self._shard is not None
-        pending: list[tuple[sharding.Bucket, Any]] = []
-        for k, bucket in enumerate(self._buckets):
-            row = self._pool("params", bucket, 1, k)
-            used = 0
-            for slot in bucket.slots:
-                if slot.shard == self._shard:
-                    row[0, slot.offset:slot.offset + slot.numel].copy_(
-                        self._trainable[slot.index].detach().reshape(-1))
-                    used = max(used, slot.offset + slot.numel)
-            if used < bucket.width:
-                row[0, used:].zero_()
-            pending.append((bucket, ops.allgather_async(
-                row, name=f"sharded_optimizer.params.{k}", process_set=self.process_set)))
-            if len(pending) > 1:
-                self._write_params(*pending.pop(0))
-        for item in pending:
-            self._write_params(*item)
-
-    def _write_params(self, bucket: sharding.Bucket, handle: Any) -> None:
-        full = ops.synchronize(handle)
-        with torch.no_grad():
-            for slot in bucket.slots:
-                if slot.shard != self._shard:
-                    p = self._trainable[slot.index]
-                    p.copy_(full[slot.shard, slot.offset:slot.offset + slot.numel].view_as(p))
-
-    def _agree_on_non_finite(self) -> None:
-        """After an explicit ``synchronize()``: if any member's averaged gradients hold inf/NaN,
-        every rank's gradients do (a NaN is written on the ranks that had none), so an AMP
-        ``GradScaler`` skips ``step()`` on every rank or on none."""
-        owned = [p.grad for p in self._trainable if p in self._owned and p.grad is not None]
-        bad = any(bool((~torch.isfinite(g)).any()) for g in owned)
-        flag = torch.tensor([1.0 if bad else 0.0])
-        flag = ops.synchronize(ops.allreduce_async(flag, name="sharded_optimizer.non_finite",
-                                                   op=ReduceOp.Max,
-                                                   process_set=self.process_set))
-        if float(flag[0]) > 0 and not bad:
-            for p in self._trainable:
-                if p.grad is not None and p.grad.numel() and not p.grad.is_sparse:
-                    p.grad.view(-1)[0] = float("nan")
-                    return
 
     # ---- public API ----------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -307,7 +190,14 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's ``zero_grad(set_to_none)``."""
+        """The wrapped optimizer's ``zero_grad(set_to_none)``.
+
+        Raises:
+            AssertionError: gradients are being reduce-scattered (backward ran, but neither
+                ``step()`` nor ``synchronize()`` did), as ``DistributedOptimizer`` raises.
+        """
+        if self._pending:
+            raise AssertionError(_ZERO_GRAD_PENDING)
         self._passes.clear()
         self._hora_base.zero_grad(self, set_to_none)
 
@@ -364,6 +254,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         """Load a full state (from :meth:`state_dict`, a plain optimizer or
         ``DistributedOptimizer``, written at any size): keep this rank's shard."""
         self._replan()
+        self._drop_round()
         self._passes.clear()
         self._synchronized = False
         self._should_synchronize = True
@@ -378,8 +269,16 @@ class _ShardedOptimizer(torch.optim.Optimizer):
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes are accumulated locally before each step."""
+        self._drop_round()
         self.backward_passes_per_step = passes
         self._passes.clear()
+
+    def _drop_round(self) -> None:
+        """Forget the reduce-scatters already launched (as ``DistributedOptimizer`` forgets its
+        handles); their packed buffers are not reused."""
+        if self._pending or self._next:
+            self._buffers = {}
+        self._new_round()
 
 
 class ShardedOptimizerStateHandler(_elastic_state.StateHandler):
@@ -408,9 +307,9 @@ class ShardedOptimizerStateHandler(_elastic_state.StateHandler):
 
 def _register_handler() -> None:
     registry = _elastic_state.get_handler_registry()
-    if not any(t is _ShardedMarker for t, _ in registry):
+    if not any(t is ShardedCollectives for t, _ in registry):
         _elastic_state.set_handler_registry(
-            [(_ShardedMarker, ShardedOptimizerStateHandler), *registry])
+            [(ShardedCollectives, ShardedOptimizerStateHandler), *registry])
 
 
 def ShardedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horovod-style name
@@ -450,7 +349,7 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horovod-s
     base = optimizer.__class__
     namespace = dict(_ShardedOptimizer.__dict__)
     namespace["_hora_base"] = base
-    cls = type(base.__name__, (base, _ShardedMarker), namespace)
+    cls = type(base.__name__, (base, ShardedCollectives), namespace)
     from hora.torch.optimizer import _base_kwargs
 
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,

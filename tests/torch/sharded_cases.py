@@ -209,7 +209,8 @@ def accumulation_and_groups(hvd: Any, f: Any) -> None:
 
 def too_many_passes(hvd: Any, f: Any) -> None:
     """A second backward before step() with backward_passes_per_step=1 raises Horovod's
-    AssertionError; zero_grad() resets the count."""
+    AssertionError; so does zero_grad() while the first pass's reduce-scatters (launched from
+    the gradient hooks) are in flight; synchronize() then zero_grad() reset the count."""
     model = _model()
     opt = hvd.ShardedOptimizer(_sgd(model.parameters()),
                                named_parameters=model.named_parameters())
@@ -221,6 +222,13 @@ def too_many_passes(hvd: Any, f: Any) -> None:
         assert "backward_passes_per_step" in str(exc)
     else:
         raise AssertionError("no error for a second backward pass")
+    try:  # the first pass's reduce-scatters are in flight: Horovod's error
+        opt.zero_grad()
+    except AssertionError as exc:
+        assert "zero_grad" in str(exc)
+    else:
+        raise AssertionError("no error for zero_grad() with reduce-scatters in flight")
+    opt.synchronize()
     opt.zero_grad()
     nn.functional.mse_loss(model(x), y).backward()
     opt.step()
@@ -249,16 +257,16 @@ def synchronize_and_clip(hvd: Any, f: Any) -> None:
 
 
 def non_finite_agreement(hvd: Any, f: Any) -> None:
-    """An inf in one rank's gradient: after synchronize() every rank sees a non-finite
-    gradient (an AMP GradScaler skips the step on all ranks)."""
+    """An inf in rank 0's input (so in its gradients): after synchronize() every rank holds a
+    non-finite gradient (an AMP GradScaler skips the step on all ranks), also a rank whose own
+    parameters' averages came out finite."""
     model = _model()
     opt = hvd.ShardedOptimizer(_sgd(model.parameters()),
                                named_parameters=model.named_parameters())
     x, y = _batch(hvd, 0)
-    nn.functional.mse_loss(model(x), y).backward()
     if hvd.rank() == 0:
-        with torch.no_grad():
-            list(model.parameters())[0].grad[0, 0] = float("inf")
+        x[0, 0] = float("inf")
+    nn.functional.mse_loss(model(x), y).backward()
     opt.synchronize()
     assert any(not bool(torch.isfinite(p.grad).all()) for p in model.parameters()
                if p.grad is not None)
