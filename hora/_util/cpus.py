@@ -13,4 +13,31 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-__all__ = ["usable_cpus"]
+AFFINITY_BYTES = 128
+"""Bytes of an :func:`affinity_record` (CPUs 0-1023; higher ones count as CPU 1023)."""
+
+
+def affinity_record() -> bytes:
+    """This process's CPU mask as :data:`AFFINITY_BYTES` bytes (bit ``c``: CPU ``c``), for
+    processes to exchange; all ones where the mask cannot be read (every CPU)."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return b"\xff" * AFFINITY_BYTES
+    mask = 0
+    for cpu in cpus:
+        mask |= 1 << min(cpu, 8 * AFFINITY_BYTES - 1)
+    return mask.to_bytes(AFFINITY_BYTES, "little")
+
+
+def union_cores(records: list[bytes]) -> int:
+    """Cores in the union of several processes' :func:`affinity_record` masks (at least 1):
+    what they may run on together. A launcher that binds each rank to a core of its own
+    (``mpirun``) leaves every process one core, and the group as many as it has ranks."""
+    union = 0
+    for record in records:
+        union |= int.from_bytes(record, "little")
+    return max(1, bin(union).count("1"))
+
+
+__all__ = ["AFFINITY_BYTES", "affinity_record", "union_cores", "usable_cpus"]

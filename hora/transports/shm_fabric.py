@@ -2,7 +2,7 @@
 
 Transport layer; what :class:`hora.collectives.shm.ShmGroup` runs on (it implements that
 module's ``Fabric`` protocol). Every rank of the group owns three segments
-(:mod:`hora.transports.shm`): a 4 KiB header and two data segments ``d0`` / ``d1``, which the
+(:mod:`hora.transports.shm`): a header and two data segments ``d0`` / ``d1``, which the
 collectives use alternately. :meth:`ShmFabric.create` makes this rank's, maps every peer's and
 checks (over a few bytes of the group's :class:`~hora.collectives.comm.Comm`) that all ranks
 succeeded: ranks that do not share ``/dev/shm`` (other hosts) all fail with a
@@ -34,7 +34,7 @@ import os
 import secrets
 import time
 
-from hora._util.cpus import usable_cpus
+from hora._util.cpus import affinity_record, union_cores, usable_cpus
 from hora._util.log import get_logger
 from hora._util.shm_owners import (
     W_PIDNS,
@@ -84,8 +84,6 @@ SPIN_CHECKS_OVERSUBSCRIBED = 30
 then steals the core that the rank it waits for needs, so it goes to sleep almost at once
 (docs/benchmarks.md, "Measurements behind the code's constants")."""
 
-AFFINITY_BYTES = 128
-"""Bytes of the CPU mask each rank sends when a group is created (CPUs 0-1023)."""
 
 WAIT_SLICE_S = 0.05
 """A blocked wait wakes at least this often to check its deadline and the peer's liveness."""
@@ -141,10 +139,8 @@ class ShmFabric:
         self._peer_start = {p: self._verifiable_start(h) for p, h in self._peer_headers.items()}
         self._lost_global = getattr(comm, "ranks", None)
         self.cores = cores or usable_cpus()
-        """CPU cores the group's ranks may run on, together (the union of their affinity masks,
-        exchanged by :meth:`create`): ``size <= cores`` means every rank can have a core of its
-        own, also when a launcher binds each rank to one core (``mpirun``: one core per
-        process, two cores for the group)."""
+        """Cores the group's ranks may run on together (:func:`~hora._util.cpus.union_cores` of
+        their masks): ``size <= cores`` when every rank has one, as under ``mpirun``'s binding."""
         # A poster wakes the futex only when a peer flagged that it sleeps on the counter (the
         # wake is a system call, ~1 us, on every signal otherwise); larger groups always wake.
         flagged = self.size <= _ASLEEP_RANKS
@@ -170,10 +166,10 @@ class ShmFabric:
         if not valid_job_id(job_id):
             job_id = job_id_for(job_id, None)
         _sweep_once()
-        records = _exchange(comm, secrets.token_bytes(8) + _affinity_record())
+        records = _exchange(comm, secrets.token_bytes(8) + affinity_record())
         group = records[0][:8].hex()
         token = int.from_bytes(records[0][:8], "little")
-        cores = _group_cores([r[8:] for r in records])
+        cores = union_cores([r[8:] for r in records])
         rank, size = comm.rank, comm.size
         own: list[Segment] = []
         peers: dict[int, list[Segment]] = {}
@@ -286,11 +282,9 @@ class ShmFabric:
     def post(self) -> int:
         """Signal every peer (increment this rank's counter and wake waiters); the new count.
 
-        A peer that goes to sleep on the counter first sets its flag in this header, then
-        sleeps only while the counter still holds the value it read (``FUTEX_WAIT`` compares
-        it): a wake is needed only when a flag is set after the counter's store
-        (:func:`~hora.transports.shm.wait_word`, the same scheme as the fast lane's doorbells).
-        """
+        A peer about to sleep on the counter sets its flag in this header, then sleeps only while
+        the counter holds the value it read (``FUTEX_WAIT`` compares it): only a flag set calls
+        for a wake (:func:`~hora.transports.shm.wait_word`, as the fast lane's doorbells)."""
         self._posted = (self._posted + 1) & MASK
         header = self._header
         header[_W_COUNTER] = self._posted
@@ -306,12 +300,9 @@ class ShmFabric:
     def wait_all(self, target: int, spins: int = 0) -> None:
         """Wait until every peer has posted ``target`` signals (in this group's lifetime).
 
-        ``spins``: check the counter at least this many times before sleeping, when every rank
-        of the group has a core (otherwise the spin stays :data:`SPIN_CHECKS_OVERSUBSCRIBED`:
-        spinning would take the core of the rank waited for). A collective passes a longer spin
-        for a wait that follows a large step of the peer's, which sleeping and waking up would
-        lengthen (see :data:`hora.collectives.shm_allreduce.WAIT_SPIN_BYTES`).
-        """
+        ``spins``: check at least this many times before sleeping, where every rank has a core
+        (a wait after a large step of the peer's:
+        :data:`hora.collectives.shm_allreduce.WAIT_SPIN_BYTES`); else the fabric's own spin."""
         for peer, header in self._peer_headers.items():
             if ((header[_W_COUNTER] - target) & MASK) >= HALF:  # (not there yet: no call else)
                 self.wait(peer, target, spins)
@@ -442,27 +433,6 @@ def _open_peer(job_id: str, group: str, peer: int, token: int) -> list[Segment]:
     return segs
 
 
-def _affinity_record() -> bytes:
-    """This process's CPU mask as :data:`AFFINITY_BYTES` bytes (bit ``c``: CPU ``c``); all ones
-    where the mask cannot be read (every CPU)."""
-    try:
-        cpus = os.sched_getaffinity(0)
-    except (AttributeError, OSError):
-        return b"\xff" * AFFINITY_BYTES
-    mask = 0
-    for cpu in cpus:
-        mask |= 1 << min(cpu, 8 * AFFINITY_BYTES - 1)
-    return mask.to_bytes(AFFINITY_BYTES, "little")
-
-
-def _group_cores(masks: list[bytes]) -> int:
-    """Cores in the union of the ranks' masks (at least 1): what the group may run on."""
-    union = 0
-    for mask in masks:
-        union |= int.from_bytes(mask, "little")
-    return max(1, bin(union).count("1"))
-
-
 def _agree(comm: Comm, error: BaseException | None, doing: str) -> None:
     """All ranks learn whether every rank succeeded; all raise if one failed."""
     flags = _exchange(comm, b"\x00" if error is None else b"\x01")
@@ -475,5 +445,5 @@ def _agree(comm: Comm, error: BaseException | None, doing: str) -> None:
     raise TransportError(f"{names} could not {doing}; see that rank's error")
 
 
-__all__ = ["AFFINITY_BYTES", "BOARD_WORD", "BOARD_WORDS", "HEADER_BYTES", "SPIN_CHECKS",
+__all__ = ["BOARD_WORD", "BOARD_WORDS", "HEADER_BYTES", "SPIN_CHECKS",
            "SPIN_CHECKS_OVERSUBSCRIBED", "WAIT_SLICE_S", "ShmFabric"]

@@ -270,7 +270,7 @@ def test_chunks_by_size_and_by_cores(job_id: str, monkeypatch: pytest.MonkeyPatc
     rank); one element more and it pipelines chunks, two signals each: SHM_CHUNK_BYTES when
     every rank has a core, SHM_CHUNK_BYTES_OVERSUBSCRIBED when the 2 ranks share 1 (the cores
     of the group: the union of its ranks' affinity masks, ShmFabric.cores)."""
-    monkeypatch.setattr("hora.transports.shm_fabric._group_cores", lambda masks: cores)
+    monkeypatch.setattr("hora.transports.shm_fabric.union_cores", lambda masks: cores)
     limit = SHM_ONE_CHUNK_BYTES // 4
 
     def body(group: ShmGroup) -> list[int]:
@@ -291,17 +291,17 @@ def test_chunks_by_size_and_by_cores(job_id: str, monkeypatch: pytest.MonkeyPatc
 def test_group_cores_is_the_union_of_the_ranks_masks() -> None:
     """mpirun binds each rank to one core: each process sees 1 core, the group has 2 (not
     oversubscribed); two ranks bound to the same core share 1."""
-    from hora.transports.shm_fabric import AFFINITY_BYTES, _affinity_record, _group_cores
+    from hora._util.cpus import AFFINITY_BYTES, affinity_record, union_cores
 
     def mask(*cpus: int) -> bytes:
         return sum(1 << c for c in cpus).to_bytes(AFFINITY_BYTES, "little")
 
-    assert _group_cores([mask(0), mask(1)]) == 2
-    assert _group_cores([mask(0), mask(0)]) == 1
-    assert _group_cores([mask(0, 1), mask(0, 1), mask(2)]) == 3
-    assert _group_cores([bytes(AFFINITY_BYTES)]) == 1
-    assert len(_affinity_record()) == AFFINITY_BYTES
-    assert _group_cores([_affinity_record()]) == len(os.sched_getaffinity(0))
+    assert union_cores([mask(0), mask(1)]) == 2
+    assert union_cores([mask(0), mask(0)]) == 1
+    assert union_cores([mask(0, 1), mask(0, 1), mask(2)]) == 3
+    assert union_cores([bytes(AFFINITY_BYTES)]) == 1
+    assert len(affinity_record()) == AFFINITY_BYTES
+    assert union_cores([affinity_record()]) == len(os.sched_getaffinity(0))
 
 
 def test_steady_state_allocates_nothing_large(job_id: str,
