@@ -155,6 +155,7 @@ def _threads(ranks: list[int], body: Any) -> list[Any]:
 def root_main(args: argparse.Namespace) -> None:
     """Rank 0: a real Coordinator, the engine thread's steps for negotiated and cached ops."""
     from hora import config as config_mod
+    from hora.core.data.fusion import fuse
     from hora.core.engine.coordinator import Coordinator
     from hora.core.engine.cross_cache import (
         MSG_CACHE_BITS,
@@ -237,12 +238,14 @@ def root_main(args: argparse.Namespace) -> None:
             if kind == MSG_CACHE_BITS:
                 cache.add(leader_host[sender], decode_bits(body.get("bits")))
             decided = cache.ready()
-        message = encode(MSG_CACHE_DECIDE, slots=decided, inval=[])
+        fused = fuse([table.response(s) for s in decided], 128 * 1024 * 1024)
+        message = encode(MSG_CACHE_DECIDE, groups=[[table.slot_of(0, n) for n in r.names]
+                                                   for r in fused], inval=[])
         for peer in leaders:
             transport.send_control(peer, message)
             count["cached_out"] += 1
             count["cached_out_bytes"] += len(message)
-        [table.response(s) for s in decided]  # what every rank runs
+        # (fused: what every rank runs, as hora.core.engine.cross_link decides it)
         cached_cpu.append(time.thread_time() - c0)
         cached_wall.append(time.perf_counter() - w0)
     proc.store.set("sim", "cycles", json.dumps({
@@ -320,7 +323,7 @@ def host_main(args: argparse.Namespace) -> None:
                     if kind == MSG_CACHE_DECIDE:
                         break
                 with cond:
-                    bits.decided(body["slots"])
+                    bits.decided([s for group in body["groups"] for s in group])
                     state["decisions"] += 1
                     cond.notify_all()
             else:

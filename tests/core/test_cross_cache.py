@@ -33,7 +33,10 @@ def test_slots_hits_and_misses() -> None:
     assert table.learn(_resp("b")) == 1
     assert table.learn(_resp("a")) == 0  # known
     assert table.learn(_resp("allreduce.noname.3")) is None  # automatic names never recur
-    assert table.learn(Response(kind=OpKind.ALLREDUCE, names=["x", "y"])) is None  # fused
+    fused = Response(kind=OpKind.ALLREDUCE, names=["x", "y"], dtype="float32",
+                     shapes=[[2], [3]])
+    assert table.learn(fused) == 2  # each name of a fused response: its own slot
+    assert table.hit(_req("y", shape=[3])) == 3 and table.response(3).shapes == [[3]]
     assert table.learn(_resp("e", error="boom")) is None
     assert table.hit(_req("a")) == 0
     assert table.hit(_req("a", shape=[5])) is None  # a mismatch is a miss: negotiated
@@ -45,7 +48,7 @@ def test_slots_hits_and_misses() -> None:
     assert table.response(1).names == ["b"]  # a copy each time
     assert table.invalidate(0) == "a"
     assert table.hit(_req("a")) is None
-    assert table.learn(_resp("a")) == 2  # learned again: a new slot
+    assert table.learn(_resp("a")) == 4  # learned again: a new slot
 
 
 def test_capacity() -> None:

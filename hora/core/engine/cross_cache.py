@@ -28,8 +28,8 @@ cache, built so that rank 0's work per cycle is O(hosts):
   stall inspector and the deadlock detector see per-rank requests and name the missing ranks.
   Failure detection is the control plane's (every rank keeps its connection to rank 0).
 
-:mod:`benchmarks.control_plane_sim` runs this protocol for 64-1024 virtual ranks against a real
-rank 0; wiring it into the engine beside the fast lane is described in ``docs/multihost.md``.
+``benchmarks/control_plane_sim.py`` runs this protocol for 64-1024 virtual ranks against a real
+rank 0; :mod:`hora.core.engine.cross_link` is the engine's side of it.
 """
 
 from __future__ import annotations
@@ -101,20 +101,30 @@ class SlotTable:
         return len(self._slots)
 
     def learn(self, resp: Response) -> int | None:
-        """Give a negotiated response's name a slot (single-tensor allreduce, explicit name);
-        returns it, or None when the response is not cacheable or the table is full."""
-        if (resp.kind is not OpKind.ALLREDUCE or len(resp.names) != 1 or resp.error
-                or resp.joined or ".noname." in resp.names[0]):
+        """Give each name of a negotiated allreduce (fused or not; explicit names only) a slot;
+        returns the first name's, or None when the response is not cacheable or the table is
+        full."""
+        if resp.kind is not OpKind.ALLREDUCE or resp.error or resp.joined:
             return None
-        key = (resp.set_id, resp.names[0])
+        first: int | None = None
+        for i, name in enumerate(resp.names):
+            slot = self._learn_one(resp, i, name)
+            if i == 0:
+                first = slot
+        return first
+
+    def _learn_one(self, resp: Response, i: int, name: str) -> int | None:
+        if ".noname." in name:
+            return None
+        key = (resp.set_id, name)
         if key in self._by_name:
             return self._by_name[key]
         if self._next >= self._capacity:
             return None
         slot, self._next = self._next, self._next + 1
-        self._slots[slot] = _Slot(resp.names[0], resp.set_id, response_signature(resp),
-                                  replace(resp, names=list(resp.names),
-                                          shapes=[list(s) for s in resp.shapes]))
+        one = replace(resp, names=[name], shapes=[list(resp.shapes[i])], first_dims=[],
+                      splits=[])
+        self._slots[slot] = _Slot(name, resp.set_id, response_signature(one), one)
         self._by_name[key] = slot
         return slot
 
@@ -127,6 +137,10 @@ class SlotTable:
 
     def slot_of(self, set_id: int, name: str) -> int | None:
         return self._by_name.get((set_id, name))
+
+    def holds(self, slot: int) -> bool:
+        """Whether ``slot`` is in the table (not invalidated, not unknown)."""
+        return slot in self._slots
 
     def response(self, slot: int) -> Response:
         """The response every rank runs for ``slot`` (a fresh copy)."""
@@ -207,6 +221,10 @@ class CacheCoordinator:
         stall inspector invalidates them, so that it sees which ranks are missing)."""
         now = time.monotonic() if now is None else now
         return sorted(s for s, t in self._since.items() if now - t >= older_than)
+
+    def pending(self) -> list[int]:
+        """Slots some host reported and not every host yet, ascending."""
+        return sorted(self._since)
 
     def missing_hosts(self, slot: int) -> list[int]:
         """Hosts that have not reported ``slot`` yet."""

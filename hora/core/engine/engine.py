@@ -43,6 +43,7 @@ from hora.core.autotune.autotune import Tuning
 from hora.core.data.executor import Executor
 from hora.core.engine import affinity, trace
 from hora.core.engine.coordinator import Coordinator
+from hora.core.engine.cross_link import CrossCache
 from hora.core.engine.deadlock import WaitReports
 from hora.core.engine.dispatch import Responses
 from hora.core.engine.liveness import Liveness, RemoteAbort
@@ -111,6 +112,13 @@ class Engine:
         self._responses = Responses(transport, registry, self._executor, self._lanes, self.names,
                                     self._liveness, self.timeline)
         self._dispatch = self._responses.dispatch
+        # the response cache across hosts (None on one host): hooks in _take_submissions,
+        # _receive and rank 0's loop
+        self._cross = CrossCache.for_job(transport, config, hostnames, self._responses,
+                                         self._coordinator, self._departed,
+                                         self.timeline.recording)
+        if self._cross is not None:
+            self._dispatch = self._cross.wrap_dispatch(self._dispatch)
         self.tuning = Tuning(  # autotune: what reads the tunables, what runs collectives
             config, transport, self._departed, hostnames,
             retunables=[self._lanes, self._executor] if self._coordinator is None
@@ -293,6 +301,8 @@ class Engine:
                         self._close_lanes(lanes)
                         self._dispatch(failed)
                     busy = self.tuning.poll() or busy  # (between batches of responses)
+                    if self._cross is not None:
+                        busy = self._cross.poll(now) or busy
                     busy = self._dispatch(coordinator.ready()) or busy
                 if not busy and not self._stop.is_set():
                     # Nothing to do: sleep until a control message, a submission (wake) or the
@@ -326,6 +336,10 @@ class Engine:
             requests.append(entry.request)
         if not requests:
             return False
+        if self._cross is not None:
+            requests = self._cross.submit(requests)  # hits: marked ready, not requested
+            if not requests:
+                return True
         if self._coordinator is not None:
             trace.negotiation_ready(self.timeline, self.registry, requests)
             self._coordinator.add(requests)
@@ -359,6 +373,8 @@ class Engine:
             sender, payload = msg
             self._liveness.heard(sender)
             kind, body = decode(payload)
+            if self._cross is not None and self._cross.receive(sender, kind, body):
+                continue
             if kind == MSG_HEARTBEAT:
                 pass
             elif kind == MSG_REQUESTS and self._coordinator is not None:

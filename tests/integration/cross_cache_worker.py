@@ -1,0 +1,78 @@
+"""A rank for test_cross_cache_jobs.py: each rank has its own HORA_HOSTNAME (its own "host"),
+so process set 0 spans hosts and named allreduces go through the cross-host response cache.
+
+    python cross_cache_worker.py CASE      print "OK <rank> <json>" or "ERR <rank> <type>: <msg>"
+
+Cases: hits (a named allreduce repeated, then a second name and a changed shape that is
+learned again), mismatch (rank 1 changes the shape of a cached name), deadlock (ranks wait on
+different cached names), death (the last rank exits during a cached cycle).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+import hora
+from hora.core.engine import context
+
+
+def cross() -> object:
+    return context.get().engine._cross  # the engine's CrossCache (None: not in use)
+
+
+def main(case: str) -> None:
+    hora.init()
+    rank, size = hora.rank(), hora.size()
+    info: dict[str, object] = {"cache": cross() is not None}
+    try:
+        if case == "hits":
+            for step in range(30):
+                out = hora.allreduce(np.full(4, rank + step, np.float32), op=hora.Sum,
+                                     name="grad")
+                assert np.all(out == sum(range(size)) + size * step), out
+            c = cross()
+            info["slots"] = len(c._table)  # type: ignore[attr-defined]
+            hs = [hora.allreduce_async(np.full(3, float(i), np.float32), op=hora.Sum,
+                                       name=f"g{i}") for i in range(5)]
+            for _ in range(5):  # several cached names at once: decided (and fused) together
+                outs = [hora.synchronize(h) for h in hs]
+                assert all(np.all(o == size * i) for i, o in enumerate(outs)), outs
+                hs = [hora.allreduce_async(np.full(3, float(i), np.float32), op=hora.Sum,
+                                           name=f"g{i}") for i in range(5)]
+            [hora.synchronize(h) for h in hs]
+            out = hora.allreduce(np.ones(6, np.float32), op=hora.Sum, name="grad")  # new shape
+            assert np.all(out == size)
+            out = hora.allreduce(np.ones(6, np.float32), op=hora.Sum, name="grad")
+            assert np.all(out == size)
+            info["slots_after"] = len(c._table)  # type: ignore[attr-defined]
+            info["hits"] = c.hits  # type: ignore[attr-defined]
+        elif case == "mismatch":
+            for _ in range(3):
+                hora.allreduce(np.ones(4, np.float32), name="x")
+            n = 5 if rank == 1 else 4
+            hora.allreduce(np.ones(n, np.float32), name="x")
+        elif case == "deadlock":
+            for _ in range(3):
+                hora.allreduce(np.ones(4, np.float32), name="a")
+                hora.allreduce(np.ones(4, np.float32), name="b")
+            hora.allreduce(np.ones(4, np.float32), name="a" if rank == 0 else "b")
+        elif case == "death":
+            for _ in range(3):
+                hora.allreduce(np.ones(4, np.float32), name="d")
+            if rank == size - 1:
+                time.sleep(0.3)
+                os._exit(3)  # this "host" dies while the others wait in a cached cycle
+            hora.allreduce(np.ones(4, np.float32), name="d")
+        print(f"OK {rank} {json.dumps(info)}", flush=True)
+    except Exception as exc:  # noqa: BLE001  (reported for the test to compare)
+        print(f"ERR {rank} {type(exc).__name__}: {exc}", flush=True)
+    hora.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
