@@ -4,7 +4,7 @@ so process set 0 spans hosts and named allreduces go through the cross-host resp
     python cross_cache_worker.py CASE      print "OK <rank> <json>" or "ERR <rank> <type>: <msg>"
 
 Cases: hits (a named allreduce repeated, then a second name and a changed shape that is
-learned again), mismatch (rank 1 changes the shape of a cached name), deadlock (ranks wait on
+learned again), join (one rank joins while the others reduce a cached name), mismatch (rank 1 changes the shape of a cached name), deadlock (ranks wait on
 different cached names), death (the last rank exits during a cached cycle).
 """
 
@@ -61,6 +61,17 @@ def main(case: str) -> None:
                 hora.allreduce(np.ones(4, np.float32), name="a")
                 hora.allreduce(np.ones(4, np.float32), name="b")
             hora.allreduce(np.ones(4, np.float32), name="a" if rank == 0 else "b")
+        elif case == "join":
+            for _ in range(3):
+                hora.allreduce(np.ones(4, np.float32), op=hora.Sum, name="j")
+            if rank != size - 1:  # the last rank joins; the others go on with the cached name
+                for _ in range(2):
+                    out = hora.allreduce(np.ones(4, np.float32), op=hora.Sum, name="j")
+                    assert np.all(out == size - 1), out  # the joined rank adds zeros
+            info["last_joined"] = hora.join()
+            out = hora.allreduce(np.ones(4, np.float32), op=hora.Sum, name="j")
+            assert np.all(out == size), out  # after the join, the cache again
+            info["hits"] = cross().hits  # type: ignore[attr-defined]
         elif case == "death":
             for _ in range(3):
                 hora.allreduce(np.ones(4, np.float32), name="d")

@@ -56,6 +56,15 @@ def test_hits_and_a_changed_shape() -> None:
     assert all(i["hits"] == 29 + 25 + 1 for i in infos), infos
 
 
+def test_join_while_others_reduce_a_cached_name() -> None:
+    results = run("join")
+    ok = lines(results, "OK")
+    assert sorted(ok) == [0, 1, 2], results
+    infos = [json.loads(v) for v in ok.values()]
+    assert all(i["last_joined"] in (0, 1, 2) for i in infos)
+    assert len({i["last_joined"] for i in infos}) == 1
+
+
 def test_mismatch_fails_on_every_rank_with_the_coordinators_message() -> None:
     err = lines(run("mismatch"), "ERR")
     assert sorted(err) == [0, 1, 2], err

@@ -54,3 +54,39 @@ def test_connections_scale_and_open_on_first_use(cluster: _netns.Cluster,
         assert row["start"][0] <= row["ring"][0] <= row["after"][0]
         assert row["after"][0] == 5, row  # the alltoall reached every other rank
         assert row["sum_ok"] and row["a2a_ok"], row
+
+
+CACHE_WORKER = str(Path(__file__).parents[1] / "integration" / "cross_cache_worker.py")
+
+
+def _job(cluster: _netns.Cluster, tmp_path: Path, case: str) -> dict[str, dict[int, str]]:
+    hosts = ",".join(f"{h.address}:1" for h in cluster.hosts)  # 3 hosts x 1 rank
+    argv = cluster.hosts[0].argv(PY, "-m", "hora.runner", "run", "-p", str(_netns.SSH_PORT),
+                                 "-i", cluster.identity, "-np", "3", "-H", hosts, PY,
+                                 CACHE_WORKER, case)
+    env = clean_env()
+    env["PATH"] = f"{cluster.ssh_bin}:{env['PATH']}"
+    with Launcher(argv=argv, env=env, cwd=tmp_path) as launcher:
+        result = launcher.wait(60)
+    assert result.rc == 0, result.err[-3000:]
+    found: dict[str, dict[int, str]] = {"OK": {}, "ERR": {}}
+    for lines in result.lines().values():
+        for line in lines:
+            head, _, rest = line.partition(" ")
+            if head in found:
+                rank, _, text = rest.partition(" ")
+                found[head][int(rank)] = text
+    return found
+
+
+def test_response_cache_across_hosts(cluster: _netns.Cluster, tmp_path: Path) -> None:
+    """A named allreduce repeated across 3 hosts agrees through the cache (no requests), and a
+    mismatch on a cached name fails on every rank with the coordinator's message."""
+    ok = _job(cluster, tmp_path, "hits")["OK"]
+    assert sorted(ok) == [0, 1, 2], ok
+    for text in ok.values():
+        info = json.loads(text)
+        assert info["cache"] and info["hits"] == 29 + 25 + 1, info
+    err = _job(cluster, tmp_path, "mismatch")["ERR"]
+    assert sorted(err) == [0, 1, 2] and len(set(err.values())) == 1, err
+    assert "Mismatched ALLREDUCE tensor shapes" in err[0], err
