@@ -180,7 +180,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=1200.0)
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--skip-time", action="store_true")
+    parser.add_argument("--skip-time", action="store_true", help="the memory jobs only")
+    parser.add_argument("--only-time", action="store_true", help="the step-time job only")
     parser.add_argument("--worker", choices=("memory", "time"))
     parser.add_argument("--variant", choices=VARIANTS)
     args = parser.parse_args()
@@ -194,6 +195,13 @@ def main() -> None:
         load = f.read().split()[:3]
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, load average "
           f"{' '.join(load)}, {os.cpu_count()} cores, {args.np} ranks")
+    if not args.only_time:
+        _memory_table(args)
+    if not args.skip_time:
+        _time_table(args)
+
+
+def _memory_table(args: argparse.Namespace) -> None:
     memory = {v: _job(args, ["--worker", "memory", "--variant", v])
               for v in args.variants.split(",")}
     first = next(iter(memory.values()))[0]
@@ -210,8 +218,9 @@ def main() -> None:
         grow = max(r["peak_mib"] - r["built_mib"] for r in rows)
         step = max(r["step_s"] for r in rows)
         print(f"| {v} | {state} | {built:.0f} | {peak:.0f} | {grow:.0f} | {step:.2f} |")
-    if args.skip_time:
-        return
+
+
+def _time_table(args: argparse.Namespace) -> None:
     timing = _job(args, ["--worker", "time"])
     med = {v: statistics.median(t) for v, t in timing["per_round"].items()}
     params = args.layers * (args.time_width ** 2 + args.time_width)
