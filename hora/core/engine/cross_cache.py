@@ -189,32 +189,49 @@ class HostBits:
 
 class CacheCoordinator:
     """Rank 0's side: per host, the slots its leader reported ready; a slot every host reported
-    is decided. Cost per message: one big-integer OR; per decision: one AND per host."""
+    is decided. Per message: work for the bits it carries (a count per slot), not per host."""
 
     def __init__(self, hosts: int) -> None:
         self._hosts = hosts
         self._ready: list[int] = [0] * hosts
+        self._count: dict[int, int] = {}  # slot -> hosts that reported it
+        self._complete: list[int] = []  # slots every host reported, not yet handed out
         self._since: dict[int, float] = {}  # slot -> when some host first reported it
 
     def add(self, host: int, bits: int, now: float | None = None) -> None:
         """Host ``host``'s leader reported ``bits`` (a delta)."""
-        self._ready[host] |= bits
+        new = bits & ~self._ready[host]
+        if not new:
+            return
+        self._ready[host] |= new
         stamp = time.monotonic() if now is None else now
-        for slot in slots_of(bits):
+        for slot in slots_of(new):
             self._since.setdefault(slot, stamp)
+            count = self._count.get(slot, 0) + 1
+            self._count[slot] = count
+            if count == self._hosts:
+                self._complete.append(slot)
 
     def ready(self) -> list[int]:
         """Slots every host reported, ascending; forgotten from every host's mask."""
-        every = -1
-        for mask in self._ready:
-            every &= mask
-        if not every:
+        if not self._complete:
             return []
-        self._ready = [mask & ~every for mask in self._ready]
-        slots = slots_of(every)
-        for slot in slots:
-            self._since.pop(slot, None)
+        slots = sorted(self._complete)
+        self._complete = []
+        self._forget(slots)
         return slots
+
+    def _forget(self, slots: list[int]) -> None:
+        clear = 0
+        for slot in slots:
+            clear |= 1 << slot
+            self._since.pop(slot, None)
+            self._count.pop(slot, None)
+        self._ready = [mask & ~clear if mask & clear else mask for mask in self._ready]
+
+    def pending(self) -> list[int]:
+        """Slots some host reported and not every host yet, ascending."""
+        return sorted(self._since)
 
     def waiting(self, older_than: float, now: float | None = None) -> list[int]:
         """Slots some hosts reported and others not, for ``older_than`` seconds or more (the
@@ -222,21 +239,15 @@ class CacheCoordinator:
         now = time.monotonic() if now is None else now
         return sorted(s for s, t in self._since.items() if now - t >= older_than)
 
-    def pending(self) -> list[int]:
-        """Slots some host reported and not every host yet, ascending."""
-        return sorted(self._since)
-
     def missing_hosts(self, slot: int) -> list[int]:
         """Hosts that have not reported ``slot`` yet."""
         return [h for h, mask in enumerate(self._ready) if not mask >> slot & 1]
 
     def invalidate(self, slots: list[int]) -> None:
         """Forget ``slots`` everywhere (their ops are negotiated instead)."""
-        clear = 0
-        for slot in slots:
-            clear |= 1 << slot
-            self._since.pop(slot, None)
-        self._ready = [mask & ~clear for mask in self._ready]
+        gone = set(slots)
+        self._complete = [s for s in self._complete if s not in gone]
+        self._forget(slots)
 
 
 __all__ = ["MAX_SLOTS", "MSG_CACHE_BITS", "MSG_CACHE_DECIDE", "CacheCoordinator", "HostBits",
