@@ -31,6 +31,8 @@ Measured per N:
   in for the shared-memory board) and sends rank 0 one ``cbits`` message; rank 0 decides and
   sends each leader one ``cdec`` message, which the leader relays to its ranks, and every rank
   rebuilds the response from its slot table. Rank 0's CPU time per cycle and wall time.
+  ``--per-rank-marks``: every rank sends rank 0 its own ``cbits`` and gets its own ``cdec``, as
+  :mod:`hora.core.engine.cross_link` does today (no shared-memory step within a host).
 """
 
 from __future__ import annotations
@@ -215,8 +217,10 @@ def root_main(args: argparse.Namespace) -> None:
         idx = hosts.index(h)
         if idx not in leader_host.values():
             leader_host[r] = idx
+    if args.per_rank_marks:  # every rank its own "host": what the engine does today
+        leader_host = {r: r for r in range(size)}
     leaders = [r for r in leader_host if r != 0]
-    cache = CacheCoordinator(len(hosts))
+    cache = CacheCoordinator(len(leader_host))
     slot = table.slot_of(0, NAME)
     assert slot is not None
     cached_cpu, cached_wall = [], []
@@ -305,6 +309,12 @@ def host_main(args: argparse.Namespace) -> None:
         for cycle in range(args.cycles):
             slot = tables[rank].hit(_request(rank))
             assert slot is not None
+            if args.per_rank_marks:  # (hora.core.engine.cross_link: each rank marks at rank 0)
+                transport.send_control(0, encode(MSG_CACHE_BITS, bits=encode_bits(1 << slot)))
+                while decode(transport.recv_control(120.0)[1])[0] != MSG_CACHE_DECIDE:
+                    pass
+                tables[rank].response(slot)
+                continue
             with cond:
                 bits.mark(local, slot)
                 state["marked"] += 1
@@ -341,7 +351,8 @@ def host_main(args: argparse.Namespace) -> None:
 
 # ---- the parent ----------------------------------------------------------------------------------
 
-def run_one(size: int, hosts: int, cycles: int, timeout: float) -> dict[str, Any]:
+def run_one(size: int, hosts: int, cycles: int, timeout: float,
+            per_rank_marks: bool = False) -> dict[str, Any]:
     from hora.rendezvous.kvstore import KVStoreServer
     from hora.rendezvous.store_client import KVStoreClient
 
@@ -358,6 +369,8 @@ def run_one(size: int, hosts: int, cycles: int, timeout: float) -> dict[str, Any
                    "--size", str(size), "--hosts", str(hosts), "--port", str(server.port),
                    "--secret", secret.hex(), "--proc", str(i), "--cycles", str(cycles),
                    "--ranks-of", ",".join(map(str, ranks))]
+            if per_rank_marks:
+                cmd.append("--per-rank-marks")
             procs.append(subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT))))
         nproc = len(procs)
         deadline = time.monotonic() + timeout
@@ -413,6 +426,9 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=30)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--per-rank-marks", action="store_true",
+                        help="cached: every rank sends its marks to rank 0 itself (what the "
+                             "engine does today) instead of one leader per host")
     parser.add_argument("--worker", choices=["root", "host"], help=argparse.SUPPRESS)
     for name in ("size", "port", "proc"):
         parser.add_argument(f"--{name}", type=int, help=argparse.SUPPRESS)
@@ -428,7 +444,7 @@ def main() -> None:
           f"{'uncached rank0 cpu':>18} {'wall':>8} {'cached rank0 cpu':>16} {'wall':>8}",
           flush=True)
     for size in args.ranks:
-        row = run_one(size, args.hosts, args.cycles, args.timeout)
+        row = run_one(size, args.hosts, args.cycles, args.timeout, args.per_rank_marks)
         rows.append(row)
         per = row["rank0_per_cycle"]
         print(f"{row['ranks']:>6} {row['hosts']:>5} {row['rendezvous_s']:>9.2f} s "
