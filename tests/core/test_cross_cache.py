@@ -54,6 +54,8 @@ def test_slots_hits_and_misses() -> None:
 def test_capacity() -> None:
     table = SlotTable(capacity=2)
     assert [table.learn(_resp(n)) for n in "abc"] == [0, 1, None]
+    table.invalidate(0)
+    assert table.learn(_resp("c")) == 2  # room again; slot numbers are never reused
 
 
 def test_bits_on_the_wire() -> None:

@@ -119,7 +119,9 @@ class SlotTable:
         key = (resp.set_id, name)
         if key in self._by_name:
             return self._by_name[key]
-        if self._next >= self._capacity:
+        # Slot numbers are never reused: a mark still in flight for an invalidated slot must
+        # not count for another name (rank 0 drops marks for slots it no longer holds).
+        if len(self._slots) >= self._capacity or self._next >= MAX_SLOTS:
             return None
         slot, self._next = self._next, self._next + 1
         one = replace(resp, names=[name], shapes=[list(resp.shapes[i])], first_dims=[],
