@@ -284,8 +284,9 @@ class _ShardedOptimizer(torch.optim.Optimizer, ShardedCollectives):
 class ShardedOptimizerStateHandler(_elastic_state.StateHandler):
     """Elastic state of a :func:`ShardedOptimizer` (``TorchState`` uses it). ``save`` (at
     commit, collective) keeps the full state; ``restore`` loads it (no collective: this runs
-    after a failure); ``sync`` loads rank 0's saved full state on every rank, so a job that
-    changed size re-shards it for its new members."""
+    after a failure); ``reset`` (the world changed) and ``sync`` load the committed full state
+    (``sync``: rank 0's, on every rank), so a job that changed size re-shards it for its new
+    members."""
 
     def __init__(self, value: Any) -> None:
         super().__init__(value)
@@ -303,6 +304,13 @@ class ShardedOptimizerStateHandler(_elastic_state.StateHandler):
                                          name="sharded_optimizer.sync")
         self._saved = full
         self.value.load_state_dict(thawed(full, None, True))
+
+    def reset(self) -> None:
+        """The world changed (``TorchState.reset``): take this rank's shard of the committed
+        full state under the new plan, locally. After removals only, elastic skips ``sync``;
+        the shards of the ranks that left live on in every survivor's committed copy (the
+        commit that raised ``HostsUpdatedInterrupt`` has just saved it)."""
+        self.value.load_state_dict(thawed(self._saved, None, True))
 
 
 def _register_handler() -> None:

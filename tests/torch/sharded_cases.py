@@ -310,7 +310,9 @@ def process_sets(hvd: Any, f: Any) -> None:
 def resize(hvd: Any, f: Any) -> None:
     """A change of size: an optimizer sharded over 2 ranks ([0, 1] / [2, 3]) is committed in a
     TorchState, then its world becomes all 4 ranks (as after an elastic reset); sync re-shards
-    the committed full state and training goes on equal to DistributedOptimizer."""
+    the committed full state and training goes on equal to DistributedOptimizer. Then it
+    shrinks back to 2 with no sync (elastic skips it after removals): TorchState.reset
+    re-shards each rank's committed copy."""
     if hvd.size() != 4:
         return
     mine = SETS["low"] if hvd.rank() < 2 else SETS["high"]
@@ -328,6 +330,16 @@ def resize(hvd: Any, f: Any) -> None:
     assert len(opt.state) < len(ref_opt.state)
     diff = _train_both(hvd, (model, opt, ref, ref_opt), steps=4, start=10)
     assert diff <= TOL, diff
+    # the world shrinks back (as after removals: elastic skips sync, TorchState.reset runs)
+    state.commit()
+    full = ref_opt.state_dict()
+    opt.process_set = ref_opt.process_set = mine
+    state.on_reset()
+    ref_opt.load_state_dict(copy.deepcopy(full))
+    diff = _train_both(hvd, (model, opt, ref, ref_opt), steps=4, start=20)
+    assert diff <= TOL, diff
+    _assert_states_equal(opt.state_dict(), ref_opt.state_dict())
+    hvd.barrier()  # every pair done before rank 0 may leave (its shutdown ends the job)
 
 
 SETS: dict[str, Any] = {}
