@@ -11,6 +11,12 @@ responses in one total order and can never execute two sets' collectives in diff
 
 The stall inspector lives here too: it names tensors that some ranks submitted and others did not.
 The deadlock detector (:mod:`hora.core.engine.deadlock`) reads the same table.
+
+Cost: one request is O(1) amortized at rank 0, whatever the set's size. Each name keeps its
+arrivals (rank -> request) and a count of them; a set's members are looked up as a set cached per
+registered member tuple; only when a name's arrivals (plus the set's joined ranks) reach the set's
+size does the full check run, once per name (it also guards against a set re-registered under the
+same id meanwhile). An uncached cycle at N ranks is O(N) at rank 0, not O(N²).
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ _JOIN_UNSUPPORTED = {
 
 @dataclass
 class _Pending:
-    requests: dict[int, Request] = field(default_factory=dict)
+    requests: dict[int, Request] = field(default_factory=dict)  # rank -> request, members only
     first_seen: float = 0.0
     warned_at: float = 0.0
     joined: list[int] = field(default_factory=list)  # joined ranks when it became ready
@@ -57,8 +63,9 @@ class Coordinator:
         self._registry = registry
         self._config = config
         self._table: dict[tuple[int, str], _Pending] = {}
-        self._order: list[tuple[int, str]] = []
-        self._joined: dict[int, list[int]] = {}
+        self._order: dict[tuple[int, str], None] = {}  # pending keys in arrival order
+        self._joined: dict[int, dict[int, None]] = {}  # set -> joined ranks, in join order
+        self._members: dict[int, tuple[tuple[int, ...], frozenset[int]]] = {}
         self._departed: dict[int, str] = {}
         self._out: list[Response] = []
         self._ready_keys: list[tuple[int, str]] = []  # complete, in the order they completed
@@ -67,32 +74,44 @@ class Coordinator:
         self.deadlocks = DeadlockDetector(registry, config, self)
 
     # ---- input -------------------------------------------------------------------------------
+    def _member_set(self, set_id: int) -> tuple[tuple[int, ...], frozenset[int]] | None:
+        """The set's sorted ranks and the same as a set, without a copy (cached per registered
+        tuple: a re-registered set gets a new one)."""
+        ranks = self._registry.members(set_id)
+        if ranks is None:
+            return None
+        cached = self._members.get(set_id)
+        if cached is None or cached[0] is not ranks:
+            cached = self._members[set_id] = (ranks, frozenset(ranks))
+        return cached
+
     def add(self, requests: list[Request]) -> None:
-        """Record requests from one rank."""
+        """Record requests from one rank (O(1) amortized per request)."""
         now = time.monotonic()
         for req in requests:
-            members = self._registry.ranks(req.set_id)
-            if members is None:
+            found = self._member_set(req.set_id)
+            if found is None:
                 self._out.append(_error(req, f"Process set {req.set_id} provided does not exist, "
                                              "or has not been registered."))
                 continue
-            if req.rank not in members:
+            ranks, member_set = found
+            if req.rank not in member_set:
                 log.warning("ignoring request for '%s' from rank %d, which is not a member of "
-                            "process set %d %s", req.name, req.rank, req.set_id, members)
+                            "process set %d %s", req.name, req.rank, req.set_id, list(ranks))
                 continue
             if req.kind is OpKind.JOIN:
-                self._join(req, members)
+                self._join(req, ranks, member_set)
                 continue
             key = (req.set_id, req.name)
             entry = self._table.get(key)
             if entry is None:
                 entry = self._table[key] = _Pending(first_seen=now)
-                self._order.append(key)
+                self._order[key] = None
             entry.requests[req.rank] = req
-            gone = [r for r in members if r in self._departed]
+            gone = sorted(r for r in self._departed if r in member_set) if self._departed else []
             if gone:
                 del self._table[key]
-                self._order.remove(key)
+                del self._order[key]
                 self._drop_ready(key)
                 why = "; ".join(f"rank {r}: {self._departed[r]}" for r in gone)
                 self._out.append(_error(
@@ -114,7 +133,7 @@ class Coordinator:
             members = self._registry.ranks(set_id) or []
             if rank in members and key not in self._ready_set:
                 entry = self._table.pop(key)
-                self._order.remove(key)
+                del self._order[key]
                 any_req = next(iter(entry.requests.values()))
                 self._out.append(_error(any_req, f"Horovod has been shut down: rank {rank} shut "
                                                  f"down ({reason}) before submitting '{name}'.",
@@ -122,38 +141,47 @@ class Coordinator:
         for set_id, joined in self._joined.items():  # a join it never joined can't finish
             members = self._registry.ranks(set_id) or []
             if joined and rank in members and rank not in joined:
-                self._joined[set_id] = []
+                self._joined[set_id] = {}
                 self._out.append(Response(
                     kind=OpKind.ERROR, names=["join"], set_id=set_id, value=ERROR_SHUTDOWN,
                     error=f"Horovod has been shut down: rank {rank} shut down ({reason}) "
                           f"without calling join(); ranks {sorted(joined)} waited in join."))
 
-    def _join(self, req: Request, members: list[int]) -> None:
-        joined = self._joined.setdefault(req.set_id, [])
-        if req.rank not in joined:
-            joined.append(req.rank)
-        for key in self._order:  # a join can complete tensors the joined rank never submits
+    def _join(self, req: Request, ranks: tuple[int, ...], member_set: frozenset[int]) -> None:
+        joined = self._joined.setdefault(req.set_id, {})
+        joined[req.rank] = None  # (members only: add checked)
+        for key in list(self._order):  # a join can complete tensors the joined rank never submits
             if key[0] == req.set_id:
                 self._note_if_ready(key)
-        if set(joined) >= set(members):
-            self._joined[req.set_id] = []
+        if len(joined) >= len(ranks) and member_set <= joined.keys():
+            self._joined[req.set_id] = {}
             self._out.append(Response(kind=OpKind.JOIN, names=[req.name], set_id=req.set_id,
                                       value=req.rank))
 
     # ---- output ------------------------------------------------------------------------------
     def _complete(self, key: tuple[int, str]) -> bool:
+        """Every member submitted ``key`` or joined. Counts first (O(joined)); the full check
+        (O(members)) only once the counts say complete."""
         entry = self._table.get(key)
-        members = self._registry.ranks(key[0])
-        if entry is None or members is None:
+        found = self._member_set(key[0])
+        if entry is None or found is None:
             return False
-        have = set(entry.requests) | set(self._joined.get(key[0], ()))
-        return have >= set(members)
+        ranks, member_set = found
+        joined = self._joined.get(key[0])
+        have = len(entry.requests)
+        if joined:
+            have += sum(1 for r in joined if r not in entry.requests)
+        if have < len(ranks):
+            return False
+        return all(r in entry.requests or (joined is not None and r in joined)
+                   for r in member_set)
 
     def _note_if_ready(self, key: tuple[int, str]) -> None:
         if key not in self._ready_set and self._complete(key):
             entry = self._table[key]
             # Remember who had joined now: the join that completes a set resets the list.
-            entry.joined = sorted(set(self._joined.get(key[0], ())) - set(entry.requests))
+            joined = self._joined.get(key[0])
+            entry.joined = sorted(r for r in joined if r not in entry.requests) if joined else []
             self._ready_set.add(key)
             self._ready_keys.append(key)
             if self._hold_until is None:
@@ -195,7 +223,7 @@ class Coordinator:
             members = self._registry.ranks(key[0])
             if entry is None or members is None:
                 continue
-            self._order.remove(key)
+            del self._order[key]
             out.append(self._respond(key[1], key[0], members, entry, entry.joined))
         return fuse(out, self._config.fusion_threshold) + joins
 
@@ -256,7 +284,7 @@ class Coordinator:
                 and any(r.group == group for r in other.requests.values())]
 
     def joined(self, set_id: int) -> list[int]:
-        return self._joined.get(set_id, [])
+        return list(self._joined.get(set_id, ()))
 
     def departed(self) -> set[int]:
         return set(self._departed)
@@ -265,10 +293,10 @@ class Coordinator:
         """Drop op ``key`` (``join``: every pending join of the set) after it failed."""
         set_id, name = key
         if name == "join":
-            self._joined[set_id] = []
+            self._joined[set_id] = {}
         elif key in self._table:
             del self._table[key]
-            self._order.remove(key)
+            del self._order[key]
             self._drop_ready(key)
 
     # ---- stall inspector -----------------------------------------------------------------------
@@ -296,7 +324,7 @@ class Coordinator:
             elsewhere = self._other_sets(name, set_id, missing)
             if fail_after > 0 and age >= fail_after:
                 del self._table[key]
-                self._order.remove(key)
+                del self._order[key]
                 failed.append(_error(next(iter(entry.requests.values())),
                                      f"Stalled for {age:.0f} s: tensor '{name}' was submitted by "
                                      f"ranks {sorted(entry.requests)} but never by ranks {missing}"
