@@ -202,8 +202,8 @@ def root_main(args: argparse.Namespace) -> None:
                     req.rank = sender
                 coordinator.add(body["reqs"])
             ready = coordinator.ready()
-        for peer in members:  # as dispatch.Responses.dispatch: one list per member
-            out = encode(MSG_RESPONSES, resps=ready)
+        out = encode(MSG_RESPONSES, resps=ready)  # as dispatch.Responses: encoded once
+        for peer in members:
             transport.send_control(peer, out)
             count["uncached_out"] += 1
             count["uncached_out_bytes"] += len(out)

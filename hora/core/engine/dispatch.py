@@ -13,6 +13,8 @@ listens for the root cause).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from hora.core.data.executor import Executor
 from hora.core.engine import trace
 from hora.core.engine.liveness import Liveness
@@ -73,18 +75,28 @@ class Responses:
         if not responses:
             return False
         trace.negotiation_done(self._timeline, responses)
-        by_peer: dict[int, list[Response]] = {}
-        for resp in responses:
-            members = self._registry.ranks(resp.set_id) or []
-            if resp.kind is OpKind.ADD_PROCESS_SET or resp.kind is OpKind.REMOVE_PROCESS_SET:
-                members = list(range(self._size))  # every rank keeps the same registry
-            for peer in members:
-                if peer != 0 and peer not in self._departed:
-                    by_peer.setdefault(peer, []).append(resp)
-        for peer, resps in by_peer.items():
-            self._transport.send_control(peer, encode(MSG_RESPONSES, resps=resps))
+        for payload, peers in self._payloads(responses):
+            for peer in peers:
+                self._transport.send_control(peer, payload)
         self.execute(responses)
         return True
+
+    def _payloads(self, responses: list[Response]) -> list[tuple[bytes, list[int]]]:
+        """Each distinct response list some peers must run, encoded once, with its peers (the
+        common case, one list for every rank: one encoding, the same bytes sent N-1 times)."""
+        by_peer: dict[int, list[int]] = {}  # peer -> indexes into responses
+        for i, resp in enumerate(responses):
+            members: Iterable[int] = self._registry.members(resp.set_id) or ()
+            if resp.kind is OpKind.ADD_PROCESS_SET or resp.kind is OpKind.REMOVE_PROCESS_SET:
+                members = range(self._size)  # every rank keeps the same registry
+            for peer in members:
+                if peer != 0 and peer not in self._departed:
+                    by_peer.setdefault(peer, []).append(i)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for peer, picked in by_peer.items():
+            groups.setdefault(tuple(picked), []).append(peer)
+        return [(encode(MSG_RESPONSES, resps=[responses[i] for i in picked]), peers)
+                for picked, peers in groups.items()]
 
     def execute(self, responses: list[Response]) -> None:
         """Run one batch in order on this rank. Raises what a collective raised (the engine
