@@ -313,19 +313,42 @@ def _check_process_sets(store: Any, scope: str, rank: int, size: int, sets: list
                 + " HINT: build process sets from hvd.size() (launch with more ranks, or "
                 "leave the set out).")
     mine = json.dumps({"sets": [ps.ranks for ps in sets], "dynamic": dynamic})
-    store.set(scope + ".sets", str(rank), mine.encode())
-    for peer in range(size):
-        theirs = store.get(scope + ".sets", str(peer)).decode()
-        if theirs != mine:
-            transport.close()
-            for c in closers:
-                c.close()
-            raise ValueError(
-                "Horovod initialization failed: different ranks tried to set up mismatching "
-                f"process sets: rank {rank} passed {mine}, rank {peer} passed {theirs}. HINT: "
-                "pass the same process_sets= list (including sets this rank is not in) on every "
-                "rank."
-            )
+    others = [(peer, theirs) for theirs, peer in _process_set_verdict(store, scope + ".sets",
+                                                                       rank, size, mine)
+              if theirs != mine]
+    if others:
+        peer, theirs = min(others)  # the lowest rank that passed something else
+        transport.close()
+        for c in closers:
+            c.close()
+        raise ValueError(
+            "Horovod initialization failed: different ranks tried to set up mismatching "
+            f"process sets: rank {rank} passed {mine}, rank {peer} passed {theirs}. HINT: "
+            "pass the same process_sets= list (including sets this rank is not in) on every "
+            "rank."
+        )
+
+
+def _process_set_verdict(store: Any, scope: str, rank: int, size: int,
+                         mine: str) -> list[tuple[str, int]]:
+    """Every distinct process-set list the ranks passed, with the lowest rank that passed it.
+    O(1) store requests per rank: each publishes its list and counts itself; the rank whose
+    arrival completes the count reads every list in one request and publishes the verdict,
+    which the others wait for (as the transport's rendezvous does with addresses)."""
+    store.set(scope, str(rank), mine.encode())
+    if store.add(scope, "arrived") >= size:  # every rank set its list before counting itself
+        keys = [str(r) for r in range(size)]
+        got = store.get_many(scope, keys)
+        if len(got) < size:  # (a store that lost some: wait for them)
+            got = store.wait(scope, keys)
+        lowest: dict[str, int] = {}
+        for r in range(size):
+            lowest.setdefault(got[str(r)].decode(), r)
+        verdict: list[Any] = [[value, r] for value, r in lowest.items()]
+        store.set(scope, "verdict", json.dumps(verdict).encode())
+    else:
+        verdict = json.loads(store.get(scope, "verdict"))
+    return [(str(value), int(r)) for value, r in verdict]
 
 
 def _bind_host(store_host: str, config: Config) -> str:
