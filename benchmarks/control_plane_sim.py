@@ -23,6 +23,9 @@ Measured per N:
 * **rendezvous**: from the moment every process is ready (imports done) until the last rank's
   transport is up: its store connection, publishing its address, learning everyone's, and its
   connections (control to rank 0; data to its eager peers).
+* **process-set check**: then every rank runs ``init()``'s check that all ranks passed the same
+  process sets (:mod:`hora.core.engine.context`, one set ``[0, 1]``) through the same store:
+  when the last rank is done, and the most store requests one rank made for it.
 * **uncached cycle**: every rank sends rank 0 a request for the same named 4 KiB allreduce and
   waits for the response; rank 0's CPU time per cycle (its thread's ``thread_time``) and the
   wall time per cycle.
@@ -82,6 +85,7 @@ class _Proc:
     """What one simulated host's process shares between its rank threads."""
 
     def __init__(self, args: argparse.Namespace) -> None:
+        from hora.core.engine import context  # noqa: F401  (the process-set check)
         from hora.rendezvous.store_client import KVStoreClient
         from hora.transports import tcp_mesh
         from hora.transports.tcp import TcpTransport  # imported before the clock starts
@@ -121,6 +125,20 @@ class _Proc:
                                         hostname=self.hosts[rank], timeout=300.0,
                                         connect_timeout=300.0, connect_cap=600.0)
         stamps += [self.gathered[rank] - go, time.time() - go]
+        from hora.core.engine.context import _check_process_sets
+        from hora.core.op.process_set import ProcessSet
+
+        calls = [0]
+        call = client._call
+
+        def counted(*a: Any, **kw: Any) -> Any:
+            calls[0] += 1
+            return call(*a, **kw)
+
+        client._call = counted  # type: ignore[method-assign]
+        _check_process_sets(client, "sim.tcp", rank, self.args.size, [ProcessSet([0, 1])],
+                            False, transport, [])
+        stamps += [time.time() - go, float(calls[0])]
         client.close()
         return transport, stamps
 
@@ -212,7 +230,7 @@ def root_main(args: argparse.Namespace) -> None:
         uncached_wall.append(time.perf_counter() - w0)
 
     hosts = sorted(set(proc.hosts), key=lambda h: int(h[3:]))
-    leader_host = {}  # leader rank -> host index
+    leader_host: dict[int, int] = {}  # leader rank -> host index
     for r, h in enumerate(proc.hosts):
         idx = hosts.index(h)
         if idx not in leader_host.values():
@@ -408,6 +426,8 @@ def run_one(size: int, hosts: int, cycles: int, timeout: float,
         "ranks": size, "hosts": cyc["hosts"], "rendezvous_s": max(t[2] for t in took),
         "store_connected_s": max(t[0] for t in took),
         "addresses_known_s": max(t[1] for t in took),
+        "sets_checked_s": max(t[3] for t in took) if len(took[0]) > 3 else None,
+        "sets_store_requests_max": max(t[4] for t in took) if len(took[0]) > 3 else None,
         "rank0_per_cycle": cyc["per_cycle"],
         "data_conns_max": max(data[1:]), "data_conns_rank0": data[0],
         "control_conns_rank0": conns[0][1],
@@ -452,7 +472,9 @@ def main() -> None:
               f"{row['uncached_wall_ms']:>5.1f} ms {row['cached_cpu_ms']:>13.3f} ms "
               f"{row['cached_wall_ms']:>5.1f} ms", flush=True)
         print(f"{'':>13}(store connected {row['store_connected_s']:.2f} s, addresses known "
-              f"{row['addresses_known_s']:.2f} s; rank 0 per cycle: uncached "
+              f"{row['addresses_known_s']:.2f} s; process sets checked "
+              f"{row['sets_checked_s']:.2f} s, <= {row['sets_store_requests_max']:.0f} store "
+              f"requests per rank; rank 0 per cycle: uncached "
               f"{per['uncached_in']:.0f} msgs in / {per['uncached_out']:.0f} out, "
               f"{per['uncached_in_bytes'] + per['uncached_out_bytes']:.0f} B; cached "
               f"{per['cached_in']:.0f} in / {per['cached_out']:.0f} out, "
