@@ -7,7 +7,7 @@ from typing import Any
 
 import tf_sharded_cases
 
-CASE_IDS = ["sharded-fit", "sharded-state-bytes", "sharded-sum-predivide"]
+CASE_IDS = ["sharded-fit", "sharded-state-bytes", "sharded-sum-predivide", "sharded-passes"]
 
 
 def init(hvd: Any) -> None:

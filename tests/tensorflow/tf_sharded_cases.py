@@ -109,6 +109,35 @@ def predivide_and_sum(hvd: Any) -> None:
         assert diff <= TOL, (kw, diff)
 
 
+def passes(hvd: Any) -> None:
+    """backward_passes_per_step=2 (sum, Horovod's default) and 3 (averaged): 6 fit passes equal
+    DistributedOptimizer with the same settings (<= 1e-5), iterations included."""
+    for i, kw in enumerate(({"backward_passes_per_step": 2},
+                            {"backward_passes_per_step": 3,
+                             "average_aggregated_gradients": True})):
+        sharded = hk.ShardedOptimizer(keras.optimizers.Adam(0.01), name=f"sh_p{i}", **kw)
+        got = _fit(hvd, sharded, steps=6)
+        ref = hk.DistributedOptimizer(keras.optimizers.Adam(0.01), name=f"ref_p{i}", **kw)
+        want = _fit(hvd, ref, steps=6)
+        diff = float(np.max(np.abs(_weights(got) - _weights(want))))
+        assert diff <= TOL, (kw, diff)
+        assert int(sharded.iterations.numpy()) == int(ref.iterations.numpy()), kw
+        moved = float(np.max(np.abs(_weights(got) - _weights(_start(hvd)))))
+        assert moved > 1e-3, (kw, moved)
+        everyone = hk.allgather_object(_weights(got))
+        assert np.array_equal(everyone[0], everyone[1]), kw
+        print(f"[sharded-keras] passes {kw} max diff {diff:.3g} iterations "
+              f"{int(sharded.iterations.numpy())}", flush=True)
+
+
+def _start(hvd: Any) -> Any:
+    model = _model()
+    start = hvd.broadcast_object([np.asarray(v.numpy()) for v in model.weights], 0)
+    for v, s in zip(model.weights, start):
+        v.assign(s)
+    return model
+
+
 def full_state(hvd: Any) -> None:
     """Keras 3: gather_state gives every variable's slots (equal to DistributedOptimizer's);
     scatter_state loads it at another size (a one-rank set: every slot) and at 2 ranks (this
@@ -155,9 +184,10 @@ def full_state(hvd: Any) -> None:
 
 def keras3_cases() -> list[tuple[str, Any]]:
     return [("sharded-fit", fit_equivalence), ("sharded-state-bytes", state_bytes),
-            ("sharded-sum-predivide", predivide_and_sum), ("sharded-full-state", full_state)]
+            ("sharded-sum-predivide", predivide_and_sum), ("sharded-passes", passes),
+            ("sharded-full-state", full_state)]
 
 
 def keras2_cases() -> list[tuple[str, Any]]:
     return [("sharded-fit", fit_equivalence), ("sharded-state-bytes", state_bytes),
-            ("sharded-sum-predivide", predivide_and_sum)]
+            ("sharded-sum-predivide", predivide_and_sum), ("sharded-passes", passes)]

@@ -12,6 +12,10 @@ bytes). Its ``apply_gradients``:
    them only (about ``1/size`` of the unsharded slots' bytes);
 3. allgathers the owners' new values into every rank's variables (one host call).
 
+``backward_passes_per_step=N`` accumulates the gradients locally (one accumulator per
+trainable variable, as ``DistributedOptimizer``'s) and reduce-scatters and applies the sums on
+every N-th pass only.
+
 Keras 3 and tf-keras (Keras 2, ``TF_USE_LEGACY_KERAS=1``) optimizers both work (both build
 their slots for the variables they are given). :meth:`gather_state` / :meth:`scatter_state`
 (Keras 3) give and take the full state, keyed by each variable's position, at any size.
@@ -34,6 +38,7 @@ from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.tensorflow.bridge import host_call
 from hora.tensorflow.compression import Compression, Compressor
 from hora.tensorflow.keras.wrapping import runtime_class
+from hora.tensorflow.keras_flavor import is_keras2
 
 
 class _Layout(NamedTuple):
@@ -65,8 +70,13 @@ class _Hora:
     op: ReduceOp
     scale: tuple[float, float]
     process_set: ProcessSet
+    passes: int = 1
+    average_passes: bool = False
+    keras2: bool = False
     layouts: dict[Any, _Layout] = field(default_factory=dict)
     variables: list[Any] = field(default_factory=list)
+    counter: Any = None
+    accumulators: list[Any] = field(default_factory=list)
 
 
 class _ShardedOptimizer:
@@ -106,14 +116,65 @@ class _ShardedOptimizer:
         variables = [v for _, v in pairs]
         self._hora.variables = variables
         lay = self._hora_layout(variables)
+        if self._hora.passes == 1:
+            return self._hora_apply(lay, [g for g, _ in pairs], variables, args, kwargs)
+        return self._hora_aggregate(lay, [g for g, _ in pairs], variables, args, kwargs)
+
+    def _hora_apply(self, lay: _Layout, grads: list[Any], variables: list[Any],
+                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not lay.sharded:
-            return self._hora_base.apply_gradients(self, pairs, *args, **kwargs)
-        grads = self._hora_reduce_scatter(lay, [g for g, _ in pairs], variables)
+            return self._hora_base.apply_gradients(self, list(zip(grads, variables)), *args,
+                                                   **kwargs)
+        reduced = self._hora_reduce_scatter(lay, grads, variables)
         mine = lay.plan.owned(lay.shard)
         result = self._hora_base.apply_gradients(
-            self, [(grads[i], variables[i]) for i in mine], *args, **kwargs)
+            self, [(reduced[i], variables[i]) for i in mine], *args, **kwargs)
         self._hora_allgather(lay, variables)
         return result
+
+    def _hora_aggregate(self, lay: _Layout, grads: list[Any], variables: list[Any],
+                        args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``backward_passes_per_step=N``: every pass adds its gradients to local accumulators;
+        the N-th reduce-scatters the sums (over N with ``average_aggregated_gradients``) and
+        applies them, as ``DistributedOptimizer`` does. The other passes apply nothing; with
+        tf-keras ``iterations`` still advances (Horovod's helper), with Keras 3 it counts
+        updates (Keras 3's ``gradient_accumulation_steps``, which its wrapper uses)."""
+        h = self._hora
+        mine = lay.plan.owned(lay.shard) if lay.sharded else list(range(len(variables)))
+        with tf.init_scope():  # the slots and accumulators, created once, outside any branch
+            iterations = self.iterations
+            if not h.keras2 and not self.built:  # Keras 3 builds in apply_gradients
+                self.build([variables[i] for i in mine])
+            if h.counter is None:
+                h.counter = tf.Variable(0, dtype=tf.int32, trainable=False,
+                                        name="sharded_aggregation_counter")
+                h.accumulators = [tf.Variable(tf.zeros(_shape(v), _dtype(v)), trainable=False,
+                                              name=f"sharded_aggregation_{i}")
+                                  for i, v in enumerate(variables)]
+        if len(h.accumulators) != len(variables):
+            raise ValueError(f"backward_passes_per_step: this pass has {len(variables)} "
+                             f"gradients, the accumulated ones {len(h.accumulators)}; every "
+                             "pass must compute gradients for the same variables.")
+        for acc, g in zip(h.accumulators, grads):
+            if g is not None:
+                acc.assign_add(tf.cast(tf.convert_to_tensor(g), acc.dtype))
+        h.counter.assign((h.counter + 1) % h.passes)
+
+        def applied() -> Any:
+            sums = [tf.convert_to_tensor(acc) for acc in h.accumulators]
+            if h.average_passes:
+                sums = [s / tf.cast(h.passes, s.dtype) for s in sums]
+            self._hora_apply(lay, sums, variables, args, kwargs)
+            for acc in h.accumulators:
+                acc.assign(tf.zeros_like(acc))
+            return tf.constant(True)
+
+        def skipped() -> Any:
+            if h.keras2:
+                iterations.assign_add(tf.constant(1, iterations.dtype))
+            return tf.constant(False)
+
+        return tf.cond(tf.equal(h.counter, 0), applied, skipped)
 
     def _hora_reduce_scatter(self, lay: _Layout, grads: list[Any], variables: list[Any]
                              ) -> dict[int, Any]:
@@ -225,7 +286,9 @@ class _ShardedOptimizer:
 def ShardedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802 - Horovod-style
                      compression: type[Compressor] = Compression.none,
                      gradient_predivide_factor: float = 1.0, op: int = ReduceOp.Average,
-                     process_set: ProcessSet = global_process_set) -> Any:
+                     process_set: ProcessSet = global_process_set,
+                     backward_passes_per_step: int = 1,
+                     average_aggregated_gradients: bool = False) -> Any:
     """Wrap a Keras optimizer (hora-only): gradients averaged across the process set as
     ``DistributedOptimizer`` does, slot variables sharded across its members.
 
@@ -238,11 +301,15 @@ def ShardedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802 - Ho
         op: Average (default) or Sum.
         process_set: the members that average and share the slots; other ranks apply the whole
             optimizer to their own gradients.
+        backward_passes_per_step: passes accumulated locally before each reduce-scatter and
+            update (``DistributedOptimizer``'s local aggregation).
+        average_aggregated_gradients: average (True) or sum (False, Horovod's default) the
+            locally accumulated gradients.
 
     Raises:
         ValueError: an op other than Average / Sum, invalid options.
     """
-    distopt.check_options(op, gradient_predivide_factor, 1, 0, None)
+    distopt.check_options(op, gradient_predivide_factor, backward_passes_per_step, 0, None)
     if ReduceOp(op) not in (ReduceOp.Average, ReduceOp.Sum):
         raise ValueError(f"ShardedOptimizer reduce-scatters gradients: op must be Average or "
                          f"Sum, not {ReduceOp(op).name}")
@@ -250,7 +317,9 @@ def ShardedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802 - Ho
     cls = runtime_class(base, _ShardedOptimizer)
     opt = cls.from_config(optimizer.get_config())
     opt._hora = _Hora(name or f"Sharded{base.__name__}", compression, ReduceOp(op),
-                      distopt.scale_factors(op, gradient_predivide_factor), process_set)
+                      distopt.scale_factors(op, gradient_predivide_factor), process_set,
+                      backward_passes_per_step, average_aggregated_gradients,
+                      is_keras2(optimizer))
     return opt
 
 
