@@ -12,11 +12,9 @@ responses in one total order and can never execute two sets' collectives in diff
 The stall inspector lives here too: it names tensors that some ranks submitted and others did not.
 The deadlock detector (:mod:`hora.core.engine.deadlock`) reads the same table.
 
-Cost: one request is O(1) amortized at rank 0, whatever the set's size. Each name keeps its
-arrivals (rank -> request) and a count of them; a set's members are looked up as a set cached per
-registered member tuple; only when a name's arrivals (plus the set's joined ranks) reach the set's
-size does the full check run, once per name (it also guards against a set re-registered under the
-same id meanwhile). An uncached cycle at N ranks is O(N) at rank 0, not O(N²).
+Cost: a request is O(1) amortized, whatever the set's size: a name's arrivals are counted, the
+members are a set cached per registered tuple, and the full check runs once per name, when the
+arrivals (plus joined ranks) reach the set's size. An uncached cycle is O(N) at rank 0.
 """
 
 from __future__ import annotations
