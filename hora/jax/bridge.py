@@ -19,8 +19,8 @@ Both host calls are pure (no effect token): ordering across ranks comes from the
 names, not from an effect token, so a call composes with ``vmap``, and a call whose result is
 unused is removed by XLA on every rank alike. ``pure_callback`` costs less per call than
 ``io_callback(ordered=True)`` and the FFI host call less again (no operand copy, results copied
-straight into XLA's buffers); the figures are in docs/jax.md and docs/benchmarks.md
-("Measurements behind the code's constants").
+straight into XLA's buffers, or written there by the collective itself); the figures are in
+docs/jax.md and docs/benchmarks.md ("Measurements behind the code's constants").
 """
 
 from __future__ import annotations

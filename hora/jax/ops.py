@@ -128,8 +128,10 @@ def _allreduce_packed(kind: str, flat: Flat, leaves: list[Any], full: str | None
     leaf as its own result (differentiable: the backward pass concatenates the cotangents and
     allreduces them); eagerly, the tree shape's cached plan packs with one jitted call and
     unpacks with another. When every buffer is a concatenation (hora's own memory), the core
-    reduces it in place (traced: through the FFI host call's aliased results). The op name
-    carries the leaves' shapes, so trees that differ only in shapes do not pair."""
+    reduces it in place (traced: through the FFI host call's aliased results); otherwise, traced,
+    each lone leaf's op writes its result straight into XLA's result buffer of that leaf (the
+    host call's ``into`` mode). The op name carries the leaves' shapes, so trees that differ
+    only in shapes do not pair."""
     plan = _packed.plan(leaves, _sp.REDUCE, kind, lambda: Flat(leaves, flat.treedef).paths())
     name = f"{full}.{_packing.layout_tag(plan.layout)}"
     args = (op, pre, post, process_set)
