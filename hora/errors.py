@@ -6,6 +6,10 @@ Bottom layer: imports nothing from ``hora``. Every message says what went wrong,
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+_E = TypeVar("_E", bound=BaseException)
+
 
 class HoraError(Exception):
     """Root of every error hora raises on purpose."""
@@ -85,6 +89,45 @@ class ShutdownError(HoraInternalError):
     """The engine was shut down while the op was pending."""
 
 
+def copy_error(error: _E, message: str | None = None) -> _E:
+    """A copy of ``error`` to raise once more (every op's handle raises an object of its own):
+    the same type and attributes (``PeerLostError.peer``, ``RankFailedError.rank``, ...) and
+    ``__cause__``; ``message`` (if given) replaces its text. Never calls ``__init__``, so a
+    class whose constructor takes other arguments copies alike."""
+    cls = type(error)
+    args = error.args if message is None else (message, *error.args[1:])
+    new = cls.__new__(cls, *args)
+    new.args = args
+    new.__dict__.update(vars(error))
+    new.__cause__ = error.__cause__
+    new.__suppress_context__ = error.__suppress_context__
+    return new
+
+
+def op_error(error: _E, op: str) -> _E:
+    """``error`` for the handle of op ``op`` (:func:`copy_error`); an :func:`internal_error`
+    names the op in front of its text."""
+    if getattr(error, "names_op", False):
+        named = copy_error(error, f"op '{op}' failed: {error}")
+        named.names_op = False  # type: ignore[attr-defined]  # (named once)
+        return named
+    return copy_error(error)
+
+
+def internal_error(where: str, exc: BaseException) -> HoraInternalError:
+    """The error every op of this rank fails with when ``exc`` escaped one of hora's own
+    threads (``where``: which), a bug in hora: it names ``exc`` (its ``__cause__``, so the
+    traceback shows where it was raised), and each op's copy (:func:`op_error`) names the op.
+    """
+    error = HoraInternalError(
+        f"{where} failed: {exc!r}. This is a bug in hora, not in the training script: every "
+        "op of this rank fails and the job is aborted. HINT: report it with this rank's log "
+        "(hora logged the traceback).")
+    error.__cause__ = exc
+    error.names_op = True  # type: ignore[attr-defined]
+    return error
+
+
 class HostsUpdatedInterrupt(RuntimeError):
     """Elastic: the set of hosts changed; Horovod's exception of the same name."""
 
@@ -161,4 +204,7 @@ __all__ = [
     "ShutdownError",
     "TimelineFormatError",
     "TransportError",
+    "copy_error",
+    "internal_error",
+    "op_error",
 ]

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from hora._util.log import get_logger
 from hora.elastic.state import State
-from hora.errors import HoraError, HorovodInternalError, HostsUpdatedInterrupt
+from hora.errors import HoraError, HorovodInternalError, HostsUpdatedInterrupt, PeerLostError
 from hora.rendezvous.elastic import SCOPE, session
 from hora.rendezvous.elastic_report import LostReport, encode_report, lost_key, named_ranks
 
@@ -105,7 +105,7 @@ def report_lost(exc: BaseException) -> None:
     from hora.core.engine import context
 
     own = context.get().rank if context.is_initialized() else None
-    ranks = named_ranks(str(exc), own)
+    ranks = lost_peers(exc, own)
     if not ranks:
         return
     report = LostReport(worker.generation, ranks, _first_line(exc))
@@ -113,6 +113,14 @@ def report_lost(exc: BaseException) -> None:
         worker.client.set(SCOPE, lost_key(worker.worker_id), encode_report(report))
     except (HoraError, OSError) as err:
         log.debug("could not report the lost peers %s to the driver: %s", ranks, err)
+
+
+def lost_peers(exc: BaseException, own: int | None) -> tuple[int, ...]:
+    """The peers ``exc`` says this generation lost, without ``own``: a PeerLostError's ``peer``
+    first, then the peers its text names (``rank N (host H)``: the ranks' merged reasons,
+    "...; other ranks report: rank 2 (host b) ...")."""
+    first = [exc.peer] if isinstance(exc, PeerLostError) and exc.peer not in (None, own) else []
+    return tuple(dict.fromkeys(first + list(named_ranks(str(exc), own))))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -29,11 +29,11 @@ from hora.core.op.messages import ERROR_DEADLOCK, ERROR_SHUTDOWN, ERROR_STALL, O
 from hora.core.op.process_set import Registry
 from hora.errors import (
     DeadlockError,
-    HoraError,
     HoraInternalError,
     HoraTimeoutError,
     MismatchError,
     ShutdownError,
+    op_error,
 )
 from hora.timeline.writer import (
     MEMCPY_IN_FUSION_BUFFER,
@@ -145,8 +145,7 @@ class Executor:
         """Fail every op in :attr:`unfinished` with ``error`` (a fresh copy each)."""
         entries, self.unfinished = self.unfinished, []
         for entry in entries:
-            entry.handle.set_error(type(error)(str(error)) if isinstance(error, HoraError)
-                                   else error)
+            entry.handle.set_error(op_error(error, entry.request.name))
 
     def execute(self, resp: Response, entries: dict[str, Entry]) -> None:
         """Run ``resp``; ``entries`` are this rank's local ops by name (popped when done)."""

@@ -30,6 +30,7 @@ from hora.core.op.messages import (
 )
 from hora.core.op.naming import AutoNames
 from hora.core.op.process_set import Registry
+from hora.errors import op_error
 from hora.timeline.writer import Timeline
 from hora.transports.base import Transport
 
@@ -63,11 +64,12 @@ class Responses:
         self._pending.setdefault(entry.request.set_id, {})[entry.request.name] = entry
 
     def fail_all(self, error: BaseException) -> None:
-        """Fail every op still waiting for its response with ``error`` (a fresh copy each)."""
+        """Fail every op still waiting for its response with ``error`` (a copy each, its
+        attributes kept; an internal error names the op)."""
         pending, self._pending = self._pending, {}
         for ops in pending.values():
             for entry in ops.values():
-                entry.handle.set_error(type(error)(str(error)))
+                entry.handle.set_error(op_error(error, entry.request.name))
 
     def dispatch(self, responses: list[Response]) -> bool:
         """Rank 0: send ``responses`` to the members that must run them, then run them here.

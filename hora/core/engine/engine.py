@@ -36,7 +36,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from functools import partial
 
+from hora import errors
 from hora._util.log import get_logger
 from hora.config import Config
 from hora.core.autotune.autotune import Tuning
@@ -137,7 +139,7 @@ class Engine:
     def submit(self, entry: Entry) -> None:
         """Queue an op. Raises ValueError for a duplicate in-flight name, or the engine's error."""
         if self._error is not None or self._stopping:
-            raise self._final_error()
+            raise errors.op_error(self._final_error(), entry.request.name)
         req = entry.request
         self._in_flight.take(req.set_id, req.name)
         handle = entry.handle
@@ -193,7 +195,7 @@ class Engine:
         error = self._error or ShutdownError(
             "Horovod has been shut down. This was caused by an exception on one of the ranks or "
             "an attempt to use an op after shutdown().")
-        return type(error)(str(error))
+        return errors.copy_error(error)  # (its attributes kept: PeerLostError.peer, ...)
 
     def _send_waits(self) -> bool:
         updates = self._reports.drain()
@@ -223,8 +225,8 @@ class Engine:
         negotiated like any other, or fail at once if the engine has stopped."""
         for entry in entries:
             if self._stop.is_set() or self._error is not None:
-                entry.handle.set_error(self._error or ShutdownError(
-                    "Horovod has been shut down before this op ran."))
+                entry.handle.set_error(errors.op_error(self._error or ShutdownError(
+                    "Horovod has been shut down before this op ran."), entry.request.name))
             else:
                 self._enqueue(entry)
 
@@ -320,12 +322,16 @@ class Engine:
             self._liveness.say_goodbye()
         except HoraError as exc:
             self._abort(exc)
-        except Exception as exc:
-            log.exception("hora engine failed")
-            self._abort(HoraInternalError(f"hora engine failed: {exc!r}"))
+        except Exception as exc:  # a bug: fail every op of this rank, abort the job
+            log.exception("hora's engine thread failed")
+            self._error = self._error or errors.internal_error("hora's engine thread", exc)
+            self._abort(self._error)  # (if it raises, the ops still fail below)
         finally:
-            self._lanes.stop_all(self._error)
-            self._executor.close()  # unmap and unlink this rank's shared memory
+            for step in (partial(self._lanes.stop_all, self._error), self._executor.close):
+                try:  # lanes, then shared memory (unmap, unlink); a raise must not skip _fail_all
+                    step()
+                except Exception:  # noqa: BLE001
+                    log.exception("hora: winding the engine down failed")
             self._fail_all(self._final_error())
 
     def _take_submissions(self) -> bool:
@@ -422,7 +428,8 @@ class Engine:
             others = self._liveness.gather_abort_reasons(
                 ABORT_GATHER_SECONDS, exc.peer if isinstance(exc, PeerLostError) else None)
             if others:
-                error = type(error)(f"{error}; other ranks report: {' | '.join(others)}")
+                reasons = " | ".join(others)
+                error = errors.copy_error(error, f"{error}; other ranks report: {reasons}")
         if self._error is None:
             self._error = error
         log.error("%s", self._error)

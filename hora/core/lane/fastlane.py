@@ -64,7 +64,7 @@ from hora.core.lane.lane_leader import Leader
 from hora.core.op.entry import Entry
 from hora.core.op.handle import BLOCKED_AFTER_S
 from hora.core.op.messages import OpKind, Response
-from hora.errors import HoraError, HoraInternalError, ShutdownError
+from hora.errors import HoraError, ShutdownError, copy_error, internal_error, op_error
 from hora.transports.shm_board import (
     ARG_CAPACITY,
     DIVERGED,
@@ -242,7 +242,7 @@ class FastLane:
         (the caller drives the lane meanwhile: :meth:`_wait_lane`)."""
         self._wait_lane(lambda: self._consumed >= self._count, None)
         if self._error is not None:
-            raise type(self._error)(str(self._error))
+            raise copy_error(self._error)
 
     def _wait_lane(self, done: Callable[[], bool], limit: float | None) -> None:
         """Drive the lane until ``done()`` (or for ``limit`` seconds). A wait of
@@ -355,13 +355,12 @@ class FastLane:
 
     def _run_batch(self, start: int, length: int) -> None:
         entries: list[Entry] = []
+        self._running = entries  # (from the first pop: a failure below fails them, none is lost)
         for position in range(start, start + length):
             entry = self._entries.pop(position, None)
-            if entry is None:
-                raise HoraInternalError(f"fast lane of process set {self.set_id} is out of step "
-                                        f"at position {position} (a bug)")
+            if entry is None:  # a bug: _fail makes it every op's internal error
+                raise RuntimeError(f"out of step at position {position} (batch {start}+{length})")
             entries.append(entry)
-        self._running = entries
         try:
             responses = self._cache.responses(entries, self._boards.rows, start)
             if len(responses) == 1:  # (one op: no comprehension)
@@ -396,8 +395,8 @@ class FastLane:
     def _fail(self, exc: BaseException) -> None:
         if self._stop:
             return  # stopping: the engine fails what is left
-        error = exc if isinstance(exc, HoraError) else HoraInternalError(
-            f"fast lane failed: {exc!r}")
+        error = exc if isinstance(exc, HoraError) else internal_error(
+            f"the fast lane of process set {self.set_id}", exc)
         self.abort(error, fail_ops=False)  # the ops wait for the job's error: the engine aborts
         self._engine.lane_failed(error)  # the job, then calls abort() with that error
 
@@ -419,8 +418,7 @@ class FastLane:
             if fail_ops:
                 self._entries.clear()
         for entry in entries:
-            entry.handle.set_error(type(error)(str(error)) if isinstance(error, HoraError)
-                                   else error)
+            entry.handle.set_error(op_error(error, entry.request.name))
         if fail_ops:
             self._executor.fail_unfinished(error)
         self._boards.wake_driver()
