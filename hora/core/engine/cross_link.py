@@ -28,7 +28,8 @@ nothing); a rank that says goodbye turns it off. Failure detection is the contro
 Rank 0 parses one small message per rank per cycle instead of a JSON request, and never runs
 ``Coordinator.add`` for a hit. Within a host, the ranks' marks could be combined by the host's
 leader over shared memory first (rank 0 then hears once per host, as
-``benchmarks/control_plane_sim.py`` measures); here every rank is its own host.
+``benchmarks/control_plane_sim.py`` measures); here every rank is its own host (the design for
+the shared-memory step, not built: docs/multihost.md, "The response cache across hosts").
 """
 
 from __future__ import annotations
