@@ -43,6 +43,7 @@ from hora.torch.compression import Compression, Compressor
 from hora.torch.elastic import state as _elastic_state
 from hora.torch.elastic._snapshot import snapshot, thawed
 from hora.torch.sharded_buckets import ShardedCollectives
+from hora.torch.sharded_state import cut_piece, join_pieces, resolve_split
 from hora.torch.wrapping import init_wrapped
 
 log = get_logger(__name__)
@@ -65,9 +66,11 @@ class _ShardedOptimizer(torch.optim.Optimizer, ShardedCollectives):
     def __init__(self, params: Any, named_parameters: Iterable[Any] | None,
                  compression: type[Compressor], backward_passes_per_step: int, op: int,
                  gradient_predivide_factor: float, process_set: ProcessSet, bucket_bytes: int,
-                 base_kwargs: dict[str, Any], state: dict[Any, Any]) -> None:
+                 split_parameters: bool, base_kwargs: dict[str, Any], state: dict[Any, Any]
+                 ) -> None:
         init_wrapped(self, params, base_kwargs, state)
         self.bucket_bytes = bucket_bytes
+        self.split_parameters = split_parameters
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self.op = ReduceOp(op)
@@ -82,11 +85,14 @@ class _ShardedOptimizer(torch.optim.Optimizer, ShardedCollectives):
         self._plan: sharding.Plan | None = None
         self._buckets: list[sharding.Bucket] = []
         self._trainable: list[torch.Tensor] = []
-        self._owned: set[torch.Tensor] = set()
+        self._pieces: list[sharding.Piece] = []
+        self._units: dict[int, torch.Tensor] = {}
+        self._split: set[int] = set()
+        self._split_grads: list[tuple[int, torch.Tensor]] = []
         self._shard: int | None = None
         self._hook_handles: list[Any] = []
         self._buffers: dict[Any, torch.Tensor] = {}
-        self._bucket_of: dict[torch.Tensor, int] = {}
+        self._bucket_of: dict[torch.Tensor, list[int]] = {}
         self._order: list[int] = []
         self._waiting: list[int] = []
         self._next = 0
@@ -115,32 +121,52 @@ class _ShardedOptimizer(torch.optim.Optimizer, ShardedCollectives):
         self._trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self._shard = sharding.shard_of(ranks, rank)
         size = len(ranks) if self._shard is not None else 1
-        self._plan = sharding.plan([p.numel() * p.element_size() for p in self._trainable],
-                                   size)
+        params = self._trainable
+        if self.split_parameters:
+            self._plan, self._pieces = sharding.split_plan(
+                [p.numel() for p in params], [p.element_size() for p in params], size,
+                [p.is_contiguous() and not p.is_sparse for p in params])
+        else:
+            self._plan = sharding.plan([p.numel() * p.element_size() for p in params], size)
+            self._pieces = [sharding.Piece(i, 0, p.numel()) for i, p in enumerate(params)]
+        self._split = {pc.index for pc in self._pieces if pc.numel != params[pc.index].numel()}
         self._buckets = sharding.layout(
-            self._plan, [p.numel() for p in self._trainable],
-            [(str(p.dtype), str(p.device)) for p in self._trainable],
+            self._plan, [pc.numel for pc in self._pieces],
+            [(str(params[pc.index].dtype), str(params[pc.index].device)) for pc in self._pieces],
             max_row_bytes=self.bucket_bytes,
-            itemsizes=[p.element_size() for p in self._trainable])
+            itemsizes=[params[pc.index].element_size() for pc in self._pieces])
         mine = self._shard if self._shard is not None else 0
-        self._owned = {self._trainable[i] for i in self._plan.owned(mine)}
+        self._units = {j: self._flat(j) for j in self._plan.owned(mine)}
+        kept = {id(u) for u in self._units.values()}
         for p in list(self.state):
-            if p not in self._owned:
+            if id(p) not in kept:
                 del self.state[p]
         self._buffers = {}
-        self._bucket_of = {self._trainable[slot.index]: k for k, b in enumerate(self._buckets)
-                           for slot in b.slots}
+        self._bucket_of = {}
+        for k, b in enumerate(self._buckets):
+            for slot in b.slots:
+                self._bucket_of.setdefault(self._param(slot.index), []).append(k)
         self._order = list(reversed(range(len(self._buckets))))
         self._new_round()
         self._plan_key = key
-        log.debug("ShardedOptimizer(%s): %d parameters in %d shards, imbalance %.3f, "
-                  "padding %.3f", self._hora_base.__name__, len(self._trainable), size,
-                  self._plan.imbalance(), sharding.padding_ratio(self._buckets, size))
+        log.debug("ShardedOptimizer(%s): %d parameters (%d split) in %d shards, imbalance "
+                  "%.3f, padding %.3f", self._hora_base.__name__, len(params),
+                  len(self._split), size, self._plan.imbalance(),
+                  sharding.padding_ratio(self._buckets, size))
 
     def owned_parameters(self) -> list[torch.Tensor]:
-        """The parameters whose optimizer state lives on this rank (hora-only)."""
+        """The parameters whose optimizer state (or a slice of it, for a split parameter)
+        lives on this rank (hora-only)."""
         self._replan()
-        return [p for p in self._trainable if p in self._owned]
+        owned = {self._pieces[j].index for j in self._units}
+        return [p for i, p in enumerate(self._trainable) if i in owned]
+
+    def _owned_units(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What the wrapped optimizer steps for ``params`` (one param group's) on this rank."""
+        units: dict[int, list[torch.Tensor]] = {}
+        for j in self._units:
+            units.setdefault(id(self._param(j)), []).append(self._unit(j))
+        return [u for p in params for u in units.get(id(p), [])]
 
     # ---- public API ----------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -181,7 +207,7 @@ class _ShardedOptimizer(torch.optim.Optimizer, ShardedCollectives):
         saved = [g["params"] for g in self.param_groups]
         try:
             for g in self.param_groups:
-                g["params"] = [p for p in g["params"] if p in self._owned]
+                g["params"] = self._owned_units(g["params"])
             result = self._hora_base.step(self, closure)
         finally:
             for g, params in zip(self.param_groups, saved):
@@ -207,7 +233,7 @@ class _ShardedOptimizer(torch.optim.Optimizer, ShardedCollectives):
         owner scales its gradients. Returns the total norm (equal on every rank). Collective.
         ``torch.nn.utils.clip_grad_norm_`` over the model would see only this rank's shard."""
         self._replan()
-        grads = [p.grad for p in self._trainable if p in self._owned and p.grad is not None]
+        grads = [u.grad for u in self._owned_units(self._trainable) if u.grad is not None]
         norm_type = float(norm_type)
         if norm_type == float("inf"):
             local = max((float(g.detach().abs().max()) for g in grads if g.numel()), default=0.0)
@@ -237,17 +263,33 @@ class _ShardedOptimizer(torch.optim.Optimizer, ShardedCollectives):
         every member of the process set must call it (e.g. ``sd = opt.state_dict()`` on every
         rank, then ``torch.save`` on rank 0)."""
         self._replan()
-        local = self._hora_base.state_dict(self)
+        held = {j: self.state.pop(u) for j, u in self._split_units().items() if u in self.state}
+        try:  # the slices' states are keyed by tensors outside the param groups
+            local = self._hora_base.state_dict(self)
+        finally:
+            for j, st in held.items():
+                self.state[self._unit(j)] = st
         if not self._sharded:
             return local
+        position = self._positions()
         mine = dict(local["state"])
-        portable = {k: {n: (v.detach().cpu() if torch.is_tensor(v) else v)
-                        for n, v in s.items()} for k, s in mine.items()}
-        parts = _objects.allgather_object(portable, name="sharded_optimizer.state_dict",
+        portable = {k: _portable(s) for k, s in mine.items()}
+        slices = {(position[self._pieces[j].index], self._pieces[j].start):
+                  (self._pieces[j].numel, _portable(st)) for j, st in held.items()}
+        parts = _objects.allgather_object((portable, slices), name="sharded_optimizer.state_dict",
                                           process_set=self.process_set)
         full = sharding.merge_states(
-            {k: v for k, v in part.items() if k not in mine} for part in parts)
+            {k: v for k, v in part.items() if k not in mine} for part, _ in parts)
         full.update(mine)  # this rank's entries are its live tensors
+        joined: dict[int, list[tuple[int, int, Any]]] = {}
+        for _, part_slices in parts:
+            for (k, start), (numel, st) in part_slices.items():
+                joined.setdefault(k, []).append((start, numel, st))
+        params = {position[i]: self._trainable[i] for i in self._split}
+        for k, pieces in joined.items():
+            p = params[k]
+            full[k] = {n: (v.to(p.device) if torch.is_tensor(v) and v.dim() else v)
+                       for n, v in join_pieces(pieces, p.shape, p.numel()).items()}
         return {"state": dict(sorted(full.items())), "param_groups": local["param_groups"]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -258,14 +300,28 @@ class _ShardedOptimizer(torch.optim.Optimizer, ShardedCollectives):
         self._passes.clear()
         self._synchronized = False
         self._should_synchronize = True
+        given = {int(k): v for k, v in state_dict["state"].items()}
+        position = self._positions()
         if self._sharded:
-            assert self._plan is not None and self._shard is not None
-            index = {id(p): i for i, p in
-                     enumerate(p for g in self.param_groups for p in g["params"])}
-            owned = [index[id(p)] for p in self._trainable if p in self._owned]
-            state_dict = {**state_dict,
-                          "state": sharding.select_states(state_dict["state"], owned)}
+            owned = [position[self._pieces[j].index] for j in self._units
+                     if self._pieces[j].index not in self._split]
+            state_dict = {**state_dict, "state": sharding.select_states(state_dict["state"],
+                                                                        owned)}
         self._hora_base.load_state_dict(self, state_dict)
+        for j, unit in self._split_units().items():
+            piece = self._pieces[j]
+            entry = given.get(position[piece.index])
+            if entry is not None:
+                self.state[unit] = cut_piece(entry, piece.start, piece.numel, self._param(j))
+
+    def _split_units(self) -> dict[int, torch.Tensor]:
+        return {j: self._unit(j) for j in self._units if self._pieces[j].index in self._split}
+
+    def _positions(self) -> dict[int, int]:
+        """Each trainable parameter's index in the state dict (its position in the groups)."""
+        index = {id(p): i for i, p in
+                 enumerate(p for g in self.param_groups for p in g["params"])}
+        return {i: index[id(p)] for i, p in enumerate(self._trainable)}
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes are accumulated locally before each step."""
@@ -279,6 +335,10 @@ class _ShardedOptimizer(torch.optim.Optimizer, ShardedCollectives):
         if self._pending or self._next:
             self._buffers = {}
         self._new_round()
+
+
+def _portable(state: dict[str, Any]) -> dict[str, Any]:
+    return {n: (v.detach().cpu() if torch.is_tensor(v) else v) for n, v in state.items()}
 
 
 class ShardedOptimizerStateHandler(_elastic_state.StateHandler):
@@ -326,7 +386,8 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horovod-s
                      backward_passes_per_step: int = 1, op: int = ReduceOp.Average,
                      gradient_predivide_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set,
-                     bucket_bytes: int = 32 * 2**20) -> Any:
+                     bucket_bytes: int = 32 * 2**20,
+                     split_parameters: bool | None = None) -> Any:
     """Wrap ``optimizer`` (hora-only): gradients averaged across the process set as
     :func:`hora.torch.DistributedOptimizer` does, optimizer state sharded across its members.
 
@@ -345,23 +406,31 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horovod-s
             reduce-scatter and an allgather per bucket, two in flight; a larger parameter gets
             a bucket of its own). The step reuses two packed buffers of ``size`` rows and two
             rows for the allgather: ``2 * (size + 1) * bucket_bytes`` of memory kept.
+        split_parameters: hora-only: plan the shards over the parameters' flattened bytes, a
+            parameter split at element boundaries where it does not fit (each rank steps its
+            slice), so every rank holds ``1/size`` of the state even when one parameter
+            dominates. Default (None): for the elementwise torch.optim classes (Adam, AdamW,
+            SGD, Adagrad, RMSprop, ...; exact class); True: for any optimizer whose update is
+            elementwise; False: whole parameters only.
 
     Raises:
-        ValueError: an op other than Average / Sum, invalid options or ``named_parameters``.
+        ValueError: an op other than Average / Sum, invalid options or ``named_parameters``;
+            ``split_parameters=True`` for an optimizer that needs whole tensors (LBFGS, ...).
     """
     distopt.check_options(op, gradient_predivide_factor, backward_passes_per_step, 0, None)
     if ReduceOp(op) not in (ReduceOp.Average, ReduceOp.Sum):
         raise ValueError(f"ShardedOptimizer reduce-scatters gradients: op must be Average or "
                          f"Sum, not {ReduceOp(op).name}")
-    _register_handler()
     base = optimizer.__class__
+    split = resolve_split(base, split_parameters)
+    _register_handler()
     namespace = dict(_ShardedOptimizer.__dict__)
     namespace["_hora_base"] = base
     cls = type(base.__name__, (base, ShardedCollectives), namespace)
     from hora.torch.optimizer import _base_kwargs
 
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
-               op, gradient_predivide_factor, process_set, bucket_bytes,
+               op, gradient_predivide_factor, process_set, bucket_bytes, split,
                _base_kwargs(optimizer), dict(optimizer.state))
 
 

@@ -37,18 +37,47 @@ class ShardedCollectives:
     _shard: int | None
     _buckets: list[sharding.Bucket]
     _trainable: list[torch.Tensor]
-    _owned: set[torch.Tensor]
+    _pieces: list[sharding.Piece]
+    _units: dict[int, torch.Tensor]
+    _split: set[int]
+    _split_grads: list[tuple[int, torch.Tensor]]
     _buffers: dict[Any, torch.Tensor]
-    _bucket_of: dict[torch.Tensor, int]
+    _bucket_of: dict[torch.Tensor, list[int]]
     _order: list[int]
     _waiting: list[int]
     _next: int
     _pending: list[tuple[sharding.Bucket, Any, Any]]
     _launches: int
+    state: Any  # the wrapped optimizer's
 
     @property
     def _sharded(self) -> bool:
         return self._shard is not None and self._plan is not None and self._plan.size > 1
+
+    def _param(self, j: int) -> torch.Tensor:
+        """The parameter of piece ``j``."""
+        return self._trainable[self._pieces[j].index]
+
+    def _flat(self, j: int) -> torch.Tensor:
+        """Piece ``j``'s elements of its parameter (a flat view; the parameter if whole)."""
+        piece, p = self._pieces[j], self._param(j)
+        if piece.index not in self._split:
+            return p
+        return p.detach().view(-1)[piece.start:piece.start + piece.numel]
+
+    def _unit(self, j: int) -> torch.Tensor:
+        """The tensor the wrapped optimizer steps for owned piece ``j`` (the parameter, or a
+        flat view of its slice; made again, its state moved, if the parameter's storage was
+        replaced)."""
+        unit = self._units[j]
+        if unit is not self._param(j) and \
+                unit.untyped_storage().data_ptr() != \
+                self._param(j).untyped_storage().data_ptr():
+            fresh = self._flat(j)
+            if unit in self.state:
+                self.state[fresh] = self.state.pop(unit)
+            self._units[j] = unit = fresh
+        return unit
 
     # ---- hooks ---------------------------------------------------------------------------------
     def _count_pass(self, p: torch.Tensor) -> None:
@@ -57,8 +86,8 @@ class ShardedCollectives:
             raise AssertionError(TOO_MANY_PASSES)
         self._passes[p] = n
         if n == self.backward_passes_per_step and self._sharded and p in self._bucket_of:
-            k = self._bucket_of[p]
-            self._waiting[k] -= 1
+            for k in self._bucket_of[p]:
+                self._waiting[k] -= 1
             # launch, in the fixed order, every bucket whose gradients are all final
             while self._next < len(self._order) and self._waiting[self._order[self._next]] <= 0:
                 self._launch(self._order[self._next])
@@ -70,13 +99,14 @@ class ShardedCollectives:
         self._next = 0
         self._pending = []
         self._launches = 0
+        self._split_grads = []
 
     # ---- collectives ---------------------------------------------------------------------------
     def _pool(self, kind: str, bucket: sharding.Bucket, rows: int, k: int) -> torch.Tensor:
         """A ``[rows, bucket.width]`` view of one of two reused flat buffers per kind, dtype and
         device (bucket ``k`` takes buffer ``k % 2``: two buckets are in flight at most, and a
         buffer is used again only after its op was waited for)."""
-        first = self._trainable[bucket.slots[0].index]
+        first = self._param(bucket.slots[0].index)
         key = (kind, first.dtype, first.device, k % 2)
         need = rows * max(b.width for b in self._buckets)
         buf = self._buffers.get(key)
@@ -116,6 +146,7 @@ class ShardedCollectives:
                 self._next += 1
             while self._pending:
                 self._write_grads(*self._pending.pop(0))
+            self._write_split_grads()
         finally:
             self._new_round()
 
@@ -124,7 +155,8 @@ class ShardedCollectives:
         buf = self._pool("grads", bucket, self._plan.size, k)
         fill = [0] * self._plan.size
         for slot in bucket.slots:
-            p = self._trainable[slot.index]
+            piece = self._pieces[slot.index]
+            p = self._trainable[piece.index]
             grad = p.grad
             target = buf[slot.shard, slot.offset:slot.offset + slot.numel]
             fill[slot.shard] = max(fill[slot.shard], slot.offset + slot.numel)
@@ -132,9 +164,9 @@ class ShardedCollectives:
                 target.zero_()
                 continue
             dense = grad.to_dense() if grad.is_sparse else grad
-            target.copy_(dense.reshape(-1))
-            if slot.shard != self._shard:
-                p.grad = None
+            target.copy_(dense.reshape(-1)[piece.start:piece.start + piece.numel])
+            if slot.shard != self._shard and piece.index not in self._split:
+                p.grad = None  # a split parameter's: after every piece (_write_split_grads)
         for shard, used in enumerate(fill):
             if used < bucket.width:
                 buf[shard, used:].zero_()
@@ -146,9 +178,38 @@ class ShardedCollectives:
         for slot in bucket.slots:
             if slot.shard != self._shard:
                 continue
-            p = self._trainable[slot.index]
+            averaged = row[slot.offset:slot.offset + slot.numel]
+            if self._pieces[slot.index].index in self._split:
+                self._split_grads.append((slot.index, averaged))
+                continue
+            p = self._param(slot.index)
             # the averaged gradient is a view of the reduce-scatter's result: no copy
-            p.grad = row[slot.offset:slot.offset + slot.numel].view_as(p)
+            p.grad = averaged.view_as(p)
+
+    def _write_split_grads(self) -> None:
+        """After every bucket: a split parameter's ``.grad`` holds the averaged gradient of the
+        slices this rank owns (zeros elsewhere: AMP's unscaling and inf checks over the param
+        groups see them), each slice's tensor a view of it; ``None`` where it owns none."""
+        mine: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for j, averaged in self._split_grads:
+            mine.setdefault(self._pieces[j].index, []).append((j, averaged))
+        for i in self._split:
+            p = self._trainable[i]
+            if i not in mine:
+                p.grad = None
+                continue
+            grad = p.grad
+            if grad is None or grad.is_sparse or not grad.is_contiguous():
+                grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            else:
+                grad.zero_()
+            flat = grad.view(-1)
+            for j, averaged in mine[i]:
+                piece = self._pieces[j]
+                flat[piece.start:piece.start + piece.numel].copy_(averaged)
+                self._unit(j).grad = flat[piece.start:piece.start + piece.numel]
+            p.grad = grad
+        self._split_grads = []
 
     def _allgather_parameters(self) -> None:
         """Every owner's new values into every rank's parameters, one bucket at a time (the
@@ -161,7 +222,7 @@ class ShardedCollectives:
             for slot in bucket.slots:
                 if slot.shard == self._shard:
                     row[0, slot.offset:slot.offset + slot.numel].copy_(
-                        self._trainable[slot.index].detach().reshape(-1))
+                        self._unit(slot.index).detach().reshape(-1))
                     used = max(used, slot.offset + slot.numel)
             if used < bucket.width:
                 row[0, used:].zero_()
@@ -177,14 +238,14 @@ class ShardedCollectives:
         with torch.no_grad():
             for slot in bucket.slots:
                 if slot.shard != self._shard:
-                    p = self._trainable[slot.index]
+                    p = self._flat(slot.index)
                     p.copy_(full[slot.shard, slot.offset:slot.offset + slot.numel].view_as(p))
 
     def _agree_on_non_finite(self) -> None:
         """After an explicit ``synchronize()``: if any member's averaged gradients hold inf/NaN,
         every rank's gradients do (a NaN is written on the ranks that had none), so an AMP
         ``GradScaler`` skips ``step()`` on every rank or on none."""
-        owned = [p.grad for p in self._trainable if p in self._owned and p.grad is not None]
+        owned = [u.grad for u in self._units.values() if u.grad is not None]
         bad = any(bool((~torch.isfinite(g)).any()) for g in owned)
         flag = torch.tensor([1.0 if bad else 0.0])
         flag = ops.synchronize(ops.allreduce_async(flag, name="sharded_optimizer.non_finite",

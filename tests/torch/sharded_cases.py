@@ -121,8 +121,9 @@ def state_bytes(hvd: Any, f: Any) -> None:
     mine, full = _state_bytes(opt), _state_bytes(ref)
     ratio = mine / full
     assert ratio <= 1 / hvd.size() + 0.1, f"state ratio {ratio:.3f}"
-    counts = hvd.allreduce(torch.tensor([float(len(opt.state))]), op=hvd.Sum)
-    assert int(counts[0]) == len(ref.state), (counts, len(ref.state))
+    held = sum(s["exp_avg"].numel() for s in opt.state.values())
+    counts = hvd.allreduce(torch.tensor([float(held)]), op=hvd.Sum)
+    assert int(counts[0]) == sum(p.numel() for p in models[0].parameters()), counts
     print(f"[sharded] state bytes ratio size {hvd.size()}: {ratio:.4f}", flush=True)
 
 
@@ -173,7 +174,7 @@ def load_other_size(hvd: Any, f: Any) -> None:
     for m, o in ((model, opt), (ref, ref_opt)):
         m.load_state_dict(saved["model"])
         o.load_state_dict(copy.deepcopy(saved["opt"]))  # torch keeps the tensors it loads
-    assert len(opt.state) < len(ref_opt.state)
+    assert _state_bytes(opt) < _state_bytes(ref_opt)
     diff = _train_both(hvd, (model, opt, ref, ref_opt), steps=5, start=100)
     assert diff <= TOL, diff
     _assert_states_equal(opt.state_dict(), ref_opt.state_dict())
@@ -327,7 +328,7 @@ def resize(hvd: Any, f: Any) -> None:
     hvd.broadcast_parameters(ref.state_dict(), root_rank=0)
     state.sync()
     ref_opt.load_state_dict(hvd.broadcast_object(full, root_rank=0))
-    assert len(opt.state) < len(ref_opt.state)
+    assert _state_bytes(opt) < _state_bytes(ref_opt)
     diff = _train_both(hvd, (model, opt, ref, ref_opt), steps=4, start=10)
     assert diff <= TOL, diff
     # the world shrinks back (as after removals: elastic skips sync, TorchState.reset runs)
@@ -342,10 +343,66 @@ def resize(hvd: Any, f: Any) -> None:
     hvd.barrier()  # every pair done before rank 0 may leave (its shutdown ends the job)
 
 
+class _Dominant(nn.Module):
+    """One tensor (``big.weight``, 3000 of 3795 elements) is 79% of the parameters' bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = nn.Linear(6, 6)
+        self.big = nn.Linear(6, 500, bias=False)
+        self.head = nn.Linear(250, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.big(torch.tanh(self.pre(x))))
+        return self.head(h[:, :250] * h[:, 250:])
+
+
+def dominant_tensor(hvd: Any, f: Any) -> None:
+    """A model whose one tensor is 79% of the bytes: split across the ranks (Adam, SGD with
+    momentum), each rank's state <= 1/size + 10% of the unsharded state, 20 steps equal
+    DistributedOptimizer's, the full state_dict equals its and loads into a plain optimizer;
+    whole-tensor placement (split_parameters=False) leaves the big tensor's owner with more;
+    LBFGS keeps whole tensors and refuses split_parameters=True."""
+    for make in (_adam, _sgd):
+        model, ref = _Dominant(), _Dominant()
+        opt = hvd.ShardedOptimizer(make(model.parameters()),
+                                   named_parameters=model.named_parameters())
+        ref_opt = hvd.DistributedOptimizer(make(ref.parameters()),
+                                           named_parameters=ref.named_parameters())
+        diff = _train_both(hvd, (model, opt, ref, ref_opt))
+        assert diff <= TOL, f"{make.__name__}: max diff {diff:.3g}"
+        _same_everywhere(hvd, model)
+        ratio = _state_bytes(opt) / _state_bytes(ref_opt)
+        worst = hvd.allreduce(torch.tensor([ratio]), op=hvd.Max)
+        assert float(worst[0]) <= 1 / hvd.size() + 0.1, (make.__name__, float(worst[0]))
+        full = opt.state_dict()
+        _assert_states_equal(full, ref_opt.state_dict())
+        make(_Dominant().parameters()).load_state_dict(copy.deepcopy(full))
+        print(f"[sharded] dominant {make.__name__} size {hvd.size()} max diff {diff:.3g} "
+              f"worst state ratio {float(worst[0]):.4f}", flush=True)
+    whole_model = _Dominant()
+    whole = hvd.ShardedOptimizer(_adam(whole_model.parameters()), split_parameters=False)
+    _step(hvd, whole_model, whole, 0)
+    worst = hvd.allreduce(torch.tensor([float(sum(
+        s["exp_avg"].numel() for s in whole.state.values()))]), op=hvd.Max)
+    assert float(worst[0]) / 3795 > 1 / hvd.size() + 0.1, float(worst[0])
+    lbfgs = hvd.ShardedOptimizer(torch.optim.LBFGS(_Dominant().parameters()))
+    assert lbfgs.split_parameters is False
+    try:
+        hvd.ShardedOptimizer(torch.optim.LBFGS(_Dominant().parameters()),
+                             split_parameters=True)
+    except ValueError as e:
+        assert "needs whole tensors" in str(e), e
+    else:
+        raise AssertionError("split_parameters=True accepted LBFGS")
+
+
 SETS: dict[str, Any] = {}
 
 
 def cases() -> list[tuple[str, Callable[..., None]]]:
     return [(fn.__name__, fn) for fn in (
         equivalence, state_bytes, full_state_dict, accumulation_and_groups, too_many_passes,
-        synchronize_and_clip, non_finite_agreement, elastic_state, process_sets, resize)]
+        synchronize_and_clip, non_finite_agreement, elastic_state, process_sets,
+        dominant_tensor, resize)]

@@ -9,6 +9,10 @@ decisions that are not framework-specific live here, once for torch, JAX and Ker
 * :func:`plan` assigns parameters (the unit: one parameter is never split) to shards, balanced
   by bytes (largest first, each to the least-loaded shard; deterministic, so every member
   computes the same plan from the same shapes);
+* :func:`split_plan` does the same over the parameters' flattened bytes, splitting a
+  parameter at element boundaries where it does not fit (for elementwise optimizers: every
+  shard holds ``1/size`` of the bytes even when one parameter dominates); its pieces are the
+  units that :func:`layout` places;
 * :func:`layout` places the parameters of each bucket (one per dtype, or any key the adapter
   chooses) in a ``[size, width]`` buffer: row ``s`` holds shard ``s``'s parameters end to end,
   zero-padded to the widest row. A reduce-scatter of that buffer gives member ``s`` row ``s``
@@ -80,6 +84,74 @@ def plan(nbytes: Sequence[int], size: int) -> Plan:
         owner[i] = target
         loads[target] += nbytes[i]
     return Plan(size, tuple(owner), tuple(int(n) for n in nbytes))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, start + numel)`` of parameter ``index`` (flattened): the unit of a
+    split plan (a whole parameter is one piece)."""
+
+    index: int
+    start: int
+    numel: int
+
+
+def split_plan(numels: Sequence[int], itemsizes: Sequence[int], size: int,
+               splittable: Sequence[bool] | None = None) -> tuple[Plan, list[Piece]]:
+    """Assign the parameters' flattened bytes to ``size`` shards, splitting a parameter at
+    element boundaries only where it does not fit: every shard holds at most
+    ``ceil(total / size)`` bytes (plus less than one element per shard, and the excess of an
+    unsplittable parameter).
+
+    Largest parameter first (ties: lower index), each to the shard with the fewest bytes so far
+    (ties: lower shard), whole if it fits under the cap; otherwise that shard is filled up to
+    the cap with the parameter's next elements and the rest goes on to the next least-loaded
+    shard. So every parameter stays whole but the ones larger than a shard's room (at most
+    ``size - 1`` parameters are split), and a parameter's pieces are contiguous, in order,
+    each on its own shard.
+
+    Returns:
+        a :class:`Plan` over the pieces (``owner[j]``, ``nbytes[j]`` of piece ``j``) and the
+        pieces, ordered by (parameter, start).
+
+    Raises:
+        ValueError: ``size`` < 1, a negative size, or lengths that differ.
+    """
+    if size < 1:
+        raise ValueError(f"a shard plan needs size >= 1, got {size}")
+    if len(itemsizes) != len(numels) or (splittable is not None
+                                         and len(splittable) != len(numels)):
+        raise ValueError("numels, itemsizes and splittable must have one entry per parameter")
+    if any(n < 0 for n in numels) or any(i < 1 for i in itemsizes):
+        raise ValueError("parameter sizes must be >= 0 elements of >= 1 byte")
+    nbytes = [int(n) * int(i) for n, i in zip(numels, itemsizes)]
+    cap = -(-sum(nbytes) // size)
+    loads = [0] * size
+    placed: list[tuple[Piece, int]] = []
+    for i in sorted(range(len(numels)), key=lambda i: (-nbytes[i], i)):
+        item, left, start = int(itemsizes[i]), int(numels[i]), 0
+        can_split = splittable is None or bool(splittable[i])
+        while True:
+            target = min(range(size), key=lambda s: (loads[s], s))
+            room = (cap - loads[target]) // item
+            if left <= room or not can_split or room <= 0:
+                if room <= 0 and can_split and start > 0:  # rounding: extend the last piece
+                    last, shard = placed.pop()
+                    placed.append((Piece(i, last.start, last.numel + left), shard))
+                    loads[shard] += left * item
+                else:
+                    placed.append((Piece(i, start, left), target))
+                    loads[target] += left * item
+                break
+            placed.append((Piece(i, start, room), target))
+            loads[target] += room * item
+            start += room
+            left -= room
+    placed.sort(key=lambda t: (t[0].index, t[0].start))
+    pieces = [piece for piece, _ in placed]
+    the_plan = Plan(size, tuple(shard for _, shard in placed),
+                    tuple(piece.numel * int(itemsizes[piece.index]) for piece in pieces))
+    return the_plan, pieces
 
 
 @dataclass(frozen=True)
@@ -194,5 +266,5 @@ def select_states(full: Mapping[Any, V], owned: Iterable[int]) -> dict[Any, V]:
     return {k: v for k, v in full.items() if int(k) in wanted}
 
 
-__all__ = ["Bucket", "Plan", "Slot", "layout", "merge_states", "padding_ratio", "plan",
-           "select_states", "shard_of"]
+__all__ = ["Bucket", "Piece", "Plan", "Slot", "layout", "merge_states", "padding_ratio", "plan",
+           "select_states", "shard_of", "split_plan"]
