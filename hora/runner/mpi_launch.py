@@ -45,6 +45,7 @@ from typing import IO, BinaryIO
 from hora.errors import ConfigError
 from hora.rendezvous.kvstore import KVStoreServer
 from hora.runner.failures import exit_status
+from hora.runner.mpi_errors import MpiErrors
 from hora.runner.output import CONSOLE, Console, rank_output_dir
 from hora.runner.processes import _parent_death_signal
 
@@ -114,8 +115,9 @@ def run_mpirun(argv: list[str], env: Mapping[str, str], np_: int, *,
         return 127
     assert proc.stdout is not None and proc.stderr is not None
     copies = _Copies(output_dir, np_)
+    errors = MpiErrors(console.write, console.say)  # one report per failure
     relays = [threading.Thread(target=_relay, args=(pipe, stream, console, copies,
-                                                    prefix_timestamp), daemon=True,
+                                                    prefix_timestamp, errors), daemon=True,
                                name=f"hora-mpirun-{stream}")
               for pipe, stream in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
     for relay in relays:
@@ -133,8 +135,7 @@ def run_mpirun(argv: list[str], env: Mapping[str, str], np_: int, *,
             relay.join(5.0)
         copies.close()
     status = exit_status(code)
-    if status:
-        console.say(f"mpirun exited with status {status}; the ranks' errors are above")
+    errors.report(status)
     return status
 
 
@@ -166,19 +167,23 @@ class _Copies:
 
 
 def _relay(pipe: IO[bytes], stream: str, console: Console, copies: _Copies,
-           timestamp: bool) -> None:
+           timestamp: bool, errors: MpiErrors | None = None) -> None:
     """mpirun's tagged output as hora's ``[rank]<stream>:`` lines; mpirun's own as it is.
 
     mpirun tags every chunk a rank writes, at its start and after each newline inside it, so a
     line a rank wrote in pieces (unbuffered ``print``) arrives as several tagged pieces, maybe
-    between other ranks' pieces: they are joined per rank before a line is relayed.
+    between other ranks' pieces: they are joined per rank before a line is relayed. A rank's
+    error block is held by ``errors`` (:mod:`hora.runner.mpi_errors`).
     """
     partial: dict[int, bytes] = {}
 
     def emit(rank: int, line: bytes) -> bool:
         copies.write(rank, stream, line)
-        text = f"[{rank}]<{stream}>:{line.decode('utf-8', 'replace')}"
-        return console.write(stream, (time.asctime() + text) if timestamp else text)
+        plain = line.decode("utf-8", "replace")
+        text = f"[{rank}]<{stream}>:{plain}"
+        text = (time.asctime() + text) if timestamp else text
+        held = errors is not None and errors.line(rank, stream, text, plain.rstrip("\r\n"))
+        return held or console.write(stream, text)
 
     ok = True
     for raw in iter(pipe.readline, b""):

@@ -77,5 +77,16 @@ def dead() -> None:
         sys.exit(3)
 
 
+def raises() -> None:
+    """Rank 1 raises an error of its own; rank 0's next op fails because of it (uncaught)."""
+    import hora
+
+    hora.init()
+    hora.allreduce(np.ones(4), name="warm")
+    if hora.rank() == 1:
+        raise ValueError("bad input shape 42")
+    hora.allreduce(np.ones(4), name="never")
+
+
 if __name__ == "__main__":
-    {"train": train, "dead": dead}[sys.argv[1]]()
+    {"train": train, "dead": dead, "raises": raises}[sys.argv[1]]()

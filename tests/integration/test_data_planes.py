@@ -98,6 +98,22 @@ def test_a_killed_rank_is_reported_on_every_survivor(plane: str) -> None:
         assert "exited on signal 9 (Killed)" in job.stdout + job.stderr
 
 
+@pytest.mark.parametrize("plane", PLANES)
+def test_one_report_per_failure_on_the_plane(plane: str) -> None:
+    """As with hora's own launch (docs/faults.md, "What `hora run` prints when a rank fails"):
+    the root cause's traceback once, the other rank's consequence in one line, the summary.
+    Under mpirun every rank's traceback used to be printed in full."""
+    job = run_job(2, "raises", script=PLANE_WORKER, launcher_args=("--data-plane", plane),
+                  env=ENV, timeout=90)
+    assert job.returncode != 0
+    out = job.stdout + job.stderr
+    assert out.count("Traceback (most recent call last):") == 1, out
+    assert "[1]<stderr>:ValueError: bad input shape 42" in out, out
+    assert "[hora] also failed after rank 1: rank 0 raised ShutdownError" in out, out
+    assert re.search(r"\[hora\] .*rank 1's error \(its traceback is above\):\n"
+                     r"\[hora\]   ValueError: bad input shape 42", out), out
+
+
 def test_the_mpi_plane_needs_mpirun() -> None:
     """Ranks started by another launcher (here torchrun's variables) fail init() alike."""
     from hora._util.net import free_port

@@ -76,3 +76,46 @@ def test_pieces_of_a_rank_s_line_are_joined_and_mpirun_s_own_lines_pass(tmp_path
         "mpirun noticed that process rank 1 exited", "[1]<stdout>:no newline at the end"]
     assert (tmp_path / "rank.0" / "stdout").read_text() == "loss 0.5\ndone\n"
     assert (tmp_path / "rank.1" / "stdout").read_text() == "epoch 1\nno newline at the end\n"
+
+
+def test_error_blocks_are_held_and_reported_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hora.runner.mpi_errors: a failed job's blocks become one report (the root cause in
+    full, the consequence in one line); a rank that ran on gets its block at once; a job that
+    succeeded gets its blocks as they were."""
+    from hora.runner import mpi_errors
+
+    clock = [100.0]
+    monkeypatch.setattr(mpi_errors.time, "monotonic", lambda: clock[0])
+    said: list[str] = []
+    console = Captured()
+    errors = mpi_errors.MpiErrors(console.write, said.append)
+
+    def feed(rank: int, text: str) -> bool:
+        return errors.line(rank, "stderr", f"[{rank}]<stderr>:{text}\n", text)
+
+    assert not feed(0, "loading data")  # not an error: written out by the relay
+    assert feed(0, "[2026-01-01 10:00:00.000: ERROR rank 0/2 hora.core.engine.engine] slow")
+    clock[0] += 10  # rank 0 ran on: its block is written, the line relayed
+    assert not feed(0, "epoch 2")
+    assert console.text["stderr"].endswith("slow\n")
+    for line in ("Traceback (most recent call last):", '  File "t.py", line 6, in <module>',
+                 "ValueError: bad input shape 42"):
+        assert feed(1, line)
+    for line in ("Traceback (most recent call last):",
+                 "hora.errors.ShutdownError: Horovod has been shut down: rank 1 shut down"):
+        assert feed(0, line)
+    shown = len(console.text["stderr"])
+    errors.report(1)
+    rest = console.text["stderr"][shown:]
+    assert rest.count("Traceback") == 1 and "ValueError: bad input shape 42" in rest, rest
+    assert said[0].startswith("also failed after rank 1: rank 0 raised ShutdownError"), said
+    assert said[1].splitlines() == [
+        "job failed: mpirun exited with status 1; the root cause: rank 1's error (its "
+        "traceback is above):", "  ValueError: bad input shape 42"]
+    fine = mpi_errors.MpiErrors(console.write, said.append)
+    fine.line(0, "stderr", "[0]<stderr>:Traceback (most recent call last):\n",
+              "Traceback (most recent call last):")
+    shown = len(console.text["stderr"])
+    fine.report(0)
+    assert console.text["stderr"][shown:] == "[0]<stderr>:Traceback (most recent call last):\n"
+    assert len(said) == 2
