@@ -233,9 +233,11 @@ class TensorFlowKerasState(ObjectState):
 
     ``save`` / ``restore`` / ``sync`` cover ``model.weights`` and the optimizer's
     ``variables``, read again at every call (assigning ``state.model = other`` is honoured).
-    :meth:`sync` and :meth:`commit` are collective. After every reset the model's compiled
-    Keras functions are dropped (:meth:`reset`), so that the next ``fit`` traces its step for
-    the new world size.
+    :meth:`sync` and :meth:`commit` are collective. A hora ``ShardedOptimizer``'s slots are
+    kept by its own handler instead (the full state at commit; each rank's shard loaded on
+    restore, sync and reset: :mod:`hora.tensorflow.keras.sharded_elastic`). After every
+    reset the model's compiled Keras functions are dropped (:meth:`reset`), so that the next
+    ``fit`` traces its step for the new world size.
     """
 
     def __init__(self, model: Any, optimizer: Any = None, backend: Any = None,
@@ -248,7 +250,10 @@ class TensorFlowKerasState(ObjectState):
         self.optimizer: Any = optimizer if optimizer is not None else getattr(
             model, "optimizer", None)
         self.backend = backend
-        if self.optimizer is not None:
+        # hora-only: a ShardedOptimizer's slots differ per rank; its own handler keeps them
+        make_handler = getattr(self.optimizer, "_hora_elastic_handler", None)
+        self._sharded: Any = make_handler(model) if make_handler is not None else None
+        if self.optimizer is not None and self._sharded is None:
             log.debug("%s: building the optimizer's variables (if it has none) for the model's "
                       "%d trainable variables", type(self).__name__,
                       len(model.trainable_variables))
@@ -259,7 +264,7 @@ class TensorFlowKerasState(ObjectState):
 
     def _variables(self) -> list[Any]:
         found = list(self.model.weights)
-        if self.optimizer is not None:
+        if self.optimizer is not None and self._sharded is None:
             opt_vars = self.optimizer.variables
             found += list(opt_vars() if callable(opt_vars) else opt_vars)
         return _unique(found)
@@ -267,11 +272,15 @@ class TensorFlowKerasState(ObjectState):
     def save(self) -> None:
         _eager(f"{type(self).__name__}.save()")
         self._snapshot.save(self._variables())
+        if self._sharded is not None:
+            self._sharded.save()
         super().save()
 
     def restore(self) -> None:
         _eager(f"{type(self).__name__}.restore()")
         self._snapshot.restore(self._variables(), type(self).__name__)
+        if self._sharded is not None:
+            self._sharded.restore()
         super().restore()
 
     def sync(self) -> None:
@@ -279,6 +288,8 @@ class TensorFlowKerasState(ObjectState):
         variables = self._variables()
         _sync_variables(variables, type(self).__name__)
         self._snapshot.save(variables)
+        if self._sharded is not None:
+            self._sharded.sync()
         super().sync()
 
     def reset(self) -> None:
@@ -289,6 +300,8 @@ class TensorFlowKerasState(ObjectState):
         for attr in ("train_function", "test_function", "predict_function"):
             if getattr(self.model, attr, None) is not None:
                 setattr(self.model, attr, None)
+        if self._sharded is not None:
+            self._sharded.reset()
 
     if TYPE_CHECKING:  # the keyword attributes (state.epoch, ...) for type checkers
         def __getattr__(self, name: str) -> Any: ...

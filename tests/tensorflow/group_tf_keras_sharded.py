@@ -8,7 +8,7 @@ from typing import Any
 import tf_sharded_cases
 
 CASE_IDS = ["sharded-fit", "sharded-state-bytes", "sharded-sum-predivide", "sharded-passes",
-            "sharded-full-state"]
+            "sharded-full-state", "sharded-elastic"]
 
 
 def init(hvd: Any) -> None:

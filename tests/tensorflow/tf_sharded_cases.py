@@ -182,10 +182,53 @@ def full_state(hvd: Any) -> None:
     assert diff <= 1e-6, diff
 
 
+def elastic_state(hvd: Any) -> None:
+    """Keras 3: KerasState(model, ShardedOptimizer) commits the full state and restores,
+    syncs and (after a change of plan) re-shards it; training on equals DistributedOptimizer
+    under the same commit / restore / sync."""
+    import hora.keras.elastic as hke
+
+    got = _fit(hvd, hk.ShardedOptimizer(keras.optimizers.Adam(0.01), name="sh_el"), steps=3)
+    want = _fit(hvd, hk.DistributedOptimizer(keras.optimizers.Adam(0.01), name="ref_el"),
+                steps=3)
+    states = [hke.KerasState(m, m.optimizer, epoch=0) for m in (got, want)]
+    assert states[0]._sharded is not None and states[1]._sharded is None
+    x, y = _data(hvd.rank())
+    for st in states:
+        st.commit()
+    committed = got.optimizer.gather_state()
+    for m in (got, want):
+        m.fit(x[:3 * BATCH], y[:3 * BATCH], batch_size=BATCH, epochs=1, shuffle=False,
+              verbose=0)
+    for st in states:
+        st.restore()
+    again = got.optimizer.gather_state()
+    assert again["iterations"] == committed["iterations"] == 3, again["iterations"]
+    for st in states:
+        st.sync()
+    # a new plan (a one-rank set: this rank owns every variable), re-sharded from the commit
+    solo = SETS["solo0"] if hvd.rank() == 0 else SETS["solo1"]
+    got.optimizer._hora.process_set = solo
+    states[0].on_reset()
+    whole = got.optimizer.gather_state()
+    assert sorted(whole["slots"]) == list(range(len(got.trainable_variables)))
+    for i, slots in committed["slots"].items():
+        for name, value in slots.items():
+            assert np.array_equal(whole["slots"][i][name], value), (i, name)
+    got.optimizer._hora.process_set = hvd.global_process_set
+    states[0].on_reset()
+    for m in (got, want):
+        m.fit(x[3 * BATCH:7 * BATCH], y[3 * BATCH:7 * BATCH], batch_size=BATCH, epochs=1,
+              shuffle=False, verbose=0)
+    diff = float(np.max(np.abs(_weights(got) - _weights(want))))
+    assert diff <= TOL, diff
+    print(f"[sharded-keras] elastic max diff {diff:.3g}", flush=True)
+
+
 def keras3_cases() -> list[tuple[str, Any]]:
     return [("sharded-fit", fit_equivalence), ("sharded-state-bytes", state_bytes),
             ("sharded-sum-predivide", predivide_and_sum), ("sharded-passes", passes),
-            ("sharded-full-state", full_state)]
+            ("sharded-full-state", full_state), ("sharded-elastic", elastic_state)]
 
 
 def keras2_cases() -> list[tuple[str, Any]]:

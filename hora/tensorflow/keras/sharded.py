@@ -254,6 +254,29 @@ class _ShardedOptimizer:
                 mine[i] = found
         return mine
 
+    def _hora_build_shard(self, mine: list[Any]) -> None:
+        """Slots for exactly ``mine`` (this rank's variables): built now if the optimizer is
+        not; built again (the old slots dropped) if a new plan gave this rank other
+        variables."""
+        if self.built:
+            built_for = getattr(self, "_trainable_variables", None)
+            if built_for is None or {id(v) for v in built_for} == {id(v) for v in mine}:
+                return
+            base: Any = self
+            keep = {id(v) for v in (getattr(base, "_iterations", None),
+                                    getattr(base, "_learning_rate", None)) if v is not None}
+            base._variables[:] = [v for v in base._variables if id(v) in keep]
+            base._trainable_variables_indices = {}
+            self.built = False
+        self.build(mine)
+
+    def _hora_elastic_handler(self, model: Any) -> Any:
+        """The elastic state of this optimizer for ``TensorFlowKerasState`` / ``KerasState``
+        (:class:`~hora.tensorflow.keras.sharded_elastic.ShardedKerasStateHandler`)."""
+        from hora.tensorflow.keras.sharded_elastic import ShardedKerasStateHandler
+
+        return ShardedKerasStateHandler(self, model)
+
     def gather_state(self) -> dict[str, Any]:
         """The full state (Keras 3): ``{"iterations": n, "slots": {index: {slot name: array}}}``
         with ``index`` the variable's position in the trainable variables. Collective."""
@@ -274,8 +297,7 @@ class _ShardedOptimizer:
         self._hora.variables = variables
         lay = self._hora_layout(variables)
         mine = lay.plan.owned(lay.shard)
-        if not self.built:
-            self.build([variables[i] for i in mine])
+        self._hora_build_shard([variables[i] for i in mine])
         slots = self._hora_slots(variables, mine)
         for i, wanted in sharding.select_states(full["slots"], mine).items():
             for name, value in wanted.items():
