@@ -18,7 +18,8 @@ The wrapped transformation sees a dict ``{"000012": leaf}`` keyed by each leaf's
 full tree, so its state says which leaf each entry belongs to: :meth:`gather_state` builds the
 *full* state (the wrapped transformation's state over the dict of every leaf; the same at every
 size) and :meth:`scatter_state` takes this rank's shard of a full state written at any size
-(checkpoints, ``hora.elastic.ObjectState`` across a change of size).
+(checkpoints, ``hora.elastic.ObjectState`` across a change of size);
+:meth:`~ShardedTransformation.elastic_state` makes an elastic state that does it.
 """
 
 from __future__ import annotations
@@ -64,6 +65,15 @@ class ShardedTransformation(optax.GradientTransformation):
         """This rank's shard of a full state (from :meth:`gather_state` at any size), for
         ``params`` (the parameter tree, or one of the same shapes)."""
         return self._hora_scatter(full, params)
+
+    def elastic_state(self, params: Any, opt_state: Any, **kwargs: Any) -> Any:
+        """An elastic state (``hora.elastic.run``) holding ``state.params`` and
+        ``state.opt_state`` (this rank's shard; the full state at commit, re-sharded on
+        restore, sync and reset) and the plain attributes ``kwargs``
+        (:class:`~hora.jax.sharded_elastic.ShardedState`)."""
+        from hora.jax.sharded_elastic import ShardedState
+
+        return ShardedState(self, params, opt_state, **kwargs)
 
 
 def ShardedOptimizer(optimizer: optax.GradientTransformation,  # noqa: N802 - Horovod-style

@@ -144,7 +144,31 @@ def eager(hvd: Any) -> None:
     assert _diff(u_eager, u_jit) <= 1e-7
 
 
+def elastic_state(hvd: Any) -> None:
+    """tx.elastic_state: commit keeps the parameters and the full state; restore and sync give
+    the committed parameters and this rank's shard back (reset re-shards it); training on
+    equals DistributedOptimizer from the same point."""
+    tx = hvd.ShardedOptimizer(optax.adam(0.01), name="sh.el")
+    ref = hvd.DistributedOptimizer(optax.adam(0.01), name="ref.el")
+    params, opt_state = _train(hvd, tx, 3)
+    ref_params, ref_state = _train(hvd, ref, 3)
+    state = tx.elastic_state(params, opt_state, epoch=0)
+    state.commit()
+    state.params, state.opt_state = _train(hvd, tx, 3, state.params, state.opt_state, start=3)
+    state.epoch = 1
+    assert _diff(state.params, params) > 1e-4
+    state.restore()
+    assert state.epoch == 0
+    assert _diff(state.params, params) == 0.0 and _diff(state.opt_state, opt_state) == 0.0
+    state.sync()
+    state.on_reset()
+    assert _diff(state.params, params) == 0.0 and _diff(state.opt_state, opt_state) == 0.0
+    got, _ = _train(hvd, tx, 4, state.params, state.opt_state, start=3)
+    want, _ = _train(hvd, ref, 4, ref_params, ref_state, start=3)
+    assert _diff(got, want) <= TOL, _diff(got, want)
+
+
 def cases() -> list[tuple[str, Any]]:
     return [("sharded-equivalence", equivalence), ("sharded-state-bytes", state_bytes),
             ("sharded-full-state", full_state), ("sharded-accumulation", accumulation),
-            ("sharded-eager", eager)]
+            ("sharded-eager", eager), ("sharded-elastic", elastic_state)]

@@ -41,7 +41,7 @@ ADASUM = ["adasum-allreduce-eager", "adasum-allreduce-jit", "adasum-tree",
 
 
 SHARDED = ["sharded-equivalence", "sharded-state-bytes", "sharded-full-state",
-           "sharded-accumulation", "sharded-eager"]
+           "sharded-accumulation", "sharded-eager", "sharded-elastic"]
 """The cases of group_jax_sharded.py (test_jax_sharded.py)."""
 
 
