@@ -26,6 +26,33 @@ from hora.runner.failures import signal_name
 from hora.runner.hosts import is_local_host
 from hora.runner.local import remove_shm_segments
 from hora.runner.output import Console
+from hora.runner.rank_errors import ErrorBlock, HeldErrors
+
+
+class SameErrorOnce(HeldErrors):
+    """A worker's last error block (its stream ended while the relay held it) is written out
+    as without holding, except one whose exception a block written before ended with (every
+    worker raising the same ``ElasticError``, a crash that recurs in each replacement): that
+    becomes one line naming the worker, as ``hora run`` collapses its ranks' same errors."""
+
+    def __init__(self, console: Console) -> None:
+        self._console = console
+        super().__init__(self._show)
+        self._shown: dict[tuple[str, ...], int] = {}  # an exception -> the worker that showed it
+
+    def _show(self, block: ErrorBlock) -> None:
+        self._console.write(block.stream, block.text(drop_echoes=True))
+
+    def put(self, block: ErrorBlock) -> None:
+        said = tuple(block.exception())
+        with self._lock:
+            first = self._shown.setdefault(said, block.rank) if said else block.rank
+        if first == block.rank:
+            self._write(block)
+        else:
+            self._console.say(f"elastic: worker {block.rank} raised the same error as worker "
+                              f"{first} (traceback not shown; --output-filename DIR keeps every "
+                              "worker's full output)")
 
 
 class SpawnError(Exception):
@@ -94,6 +121,7 @@ class ProcessSpawner:
         self._exits: queue.Queue[tuple[int, int]] | None = None
         self._job_id = ""
         self._gate: ssh.StartGate | None = None
+        self._errors = SameErrorOnce(console)  # the workers' last error blocks
 
     def open(self, first: Mapping[str, int], config: Config,
              exits: queue.Queue[tuple[int, int]], job_id: str) -> str:
@@ -118,7 +146,7 @@ class ProcessSpawner:
             return processes.spawn(
                 self.spec.command, launch, wid, size=self.size, exits=self._exits,
                 console=self.console, output_dir=self.spec.output_filename,
-                prefix_timestamp=self.spec.prefix_timestamp)
+                prefix_timestamp=self.spec.prefix_timestamp, held=self._errors)
         except processes.StartError as exc:
             raise SpawnError(exc.message, exc.failure.returncode) from None
 
