@@ -36,6 +36,11 @@ CONSEQUENCES = frozenset({"ShutdownError", "PeerLostError", "HoraInternalError",
                           "ProtocolError"})
 
 
+BUG_SAYS = "This is a bug in hora"
+"""What :func:`hora.errors.internal_error` says: a rank whose own hora thread failed (its error
+is a ``HoraInternalError``, but a root cause, not a consequence)."""
+
+
 def starts_block(line: str) -> bool:
     """Whether ``line`` (a rank's stderr line, without its prefix) begins an error block."""
     return line.startswith(TRACEBACK_HEADER) or HORA_ERROR_LOG.match(line) is not None
@@ -72,6 +77,8 @@ class ErrorBlock:
         exc = self.exception()
         if not exc:  # hora's log lines only, or a traceback cut short when the rank was stopped
             return True
+        if BUG_SAYS in exc[0] and not exc[0].split(":", 1)[-1].strip().startswith("rank "):
+            return False  # hora failed on this rank (others say "rank N failed: ..." then)
         return self.exception_type() in CONSEQUENCES or any(
             name in exc[0] for name in ("HorovodInternalError", "HoraInternalError"))
 

@@ -78,3 +78,15 @@ def test_a_different_error_is_shown_in_full() -> None:
     shown = "".join(console.lines)
     assert shown.count("Traceback") == 2 and "KeyError: 'b'" in shown, shown
     assert "worker 1 raised the same error as worker 0" in shown, shown
+
+
+def test_a_bug_in_hora_is_a_root_cause_not_a_consequence() -> None:
+    """hora.errors.internal_error's HoraInternalError is the failing rank's own error (hora run
+    shows its traceback); the other ranks' HoraInternalError naming it stays a consequence."""
+    from hora.errors import internal_error
+
+    bug = str(internal_error("hora's engine thread", RuntimeError("x")))
+    own = _block(1, "Traceback (most recent call last):", f"hora.errors.HoraInternalError: {bug}")
+    echo = _block(0, "Traceback (most recent call last):",
+                  f"hora.errors.HoraInternalError: rank 1 failed: {bug}")
+    assert not own.is_consequence() and echo.is_consequence()
