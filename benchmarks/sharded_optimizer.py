@@ -3,6 +3,8 @@ hora.torch.DistributedOptimizer and torch's ZeroRedundancyOptimizer (gloo, with 
 
     python benchmarks/sharded_optimizer.py                  # 2 ranks, Adam state 1.0 GiB
     python benchmarks/sharded_optimizer.py --layers 2 --width 1024 --steps 2   # smoke test
+    python benchmarks/sharded_optimizer.py --dominant --width 2048 --skip-time \
+        --variants distributed,sharded,whole      # one tensor of 80 %: split or whole
     hora run -np 2 python benchmarks/sharded_optimizer.py --worker memory --variant sharded
 
 The model is ``--layers`` Linear(width, width) layers (default 8 x 4096: 134 M float32
@@ -14,7 +16,9 @@ per rank (MSE), one torch thread per rank.
   reports its peak RSS (``ru_maxrss``), its RSS once the model is built (before any step), and
   the bytes of its optimizer state. Variants: ``distributed`` (hora DistributedOptimizer),
   ``sharded`` (hora ShardedOptimizer), ``zero`` (torch ``DistributedDataParallel`` over a gloo
-  group + ``torch.distributed.optim.ZeroRedundancyOptimizer``).
+  group + ``torch.distributed.optim.ZeroRedundancyOptimizer``), ``whole`` (ShardedOptimizer
+  with ``split_parameters=False``: every parameter whole on one rank). ``--dominant`` trains
+  a model whose one tensor is 80 % of the parameters instead.
 * **Step time**: one more job trains the three variants on a smaller model (``--time-width``,
   default 2048: 33.6 M parameters) in interleaved rounds (each round runs every variant for
   ``--steps`` steps, order rotated), so load swings hit every variant alike; medians over the
@@ -35,7 +39,9 @@ import sys
 import time
 from typing import Any
 
-VARIANTS = ("distributed", "sharded", "zero")
+VARIANTS = ("distributed", "sharded", "zero", "whole")
+TIMED = VARIANTS[:3]
+DEFAULT_VARIANTS = "distributed,sharded,zero"
 
 
 def _rss_mib() -> float:
@@ -56,21 +62,26 @@ def _free_port() -> int:
 class _Setup:
     """One variant's model and optimizer in this rank."""
 
-    def __init__(self, variant: str, layers: int, width: int, hvd: Any) -> None:
+    def __init__(self, variant: str, layers: int, width: int, hvd: Any,
+                 dominant: bool = False) -> None:
         import torch
         from torch import nn
 
         torch.manual_seed(0)
-        self.model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+        if dominant:
+            self.model = _dominant(width)
+        else:
+            self.model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
         self.net: Any = self.model
         adam = torch.optim.Adam
         named = self.model.named_parameters()
         if variant == "distributed":
             self.opt = hvd.DistributedOptimizer(adam(self.model.parameters(), lr=1e-4),
                                                 named_parameters=named)
-        elif variant == "sharded":
+        elif variant in ("sharded", "whole"):  # whole: no parameter split across ranks
             self.opt = hvd.ShardedOptimizer(adam(self.model.parameters(), lr=1e-4),
-                                            named_parameters=named)
+                                            named_parameters=named,
+                                            split_parameters=variant == "sharded")
         else:
             import torch.distributed as dist
             from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -101,6 +112,22 @@ class _Setup:
                    for v in s.values() if torch.is_tensor(v))
 
 
+def _dominant(width: int) -> Any:
+    """One Linear(width, 4 * width) (80 % of the parameters) and one Linear(width, width)."""
+    from torch import nn
+
+    class Dominant(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.big = nn.Linear(width, 4 * width)
+            self.out = nn.Linear(width, width)
+
+        def forward(self, x: Any) -> Any:
+            return self.out(self.big(x).reshape(x.shape[0], 4, width).sum(1))
+
+    return Dominant()
+
+
 def _worker_memory(args: argparse.Namespace) -> None:
     import torch
 
@@ -108,7 +135,7 @@ def _worker_memory(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     hvd.init()
-    setup = _Setup(args.variant, args.layers, args.width, hvd)
+    setup = _Setup(args.variant, args.layers, args.width, hvd, args.dominant)
     built = _rss_mib()
     times = []
     for i in range(args.warmup + args.steps):
@@ -133,13 +160,13 @@ def _worker_time(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     hvd.init()
-    setups = {v: _Setup(v, args.layers, args.time_width, hvd) for v in VARIANTS}
+    setups = {v: _Setup(v, args.layers, args.time_width, hvd) for v in TIMED}
     for s in setups.values():
         for _ in range(args.warmup):
             s.step()
-    per_round: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    per_round: dict[str, list[float]] = {v: [] for v in TIMED}
     for r in range(args.rounds):
-        order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
+        order = TIMED[r % 3:] + TIMED[:r % 3]
         for v in order:
             hvd.barrier()
             start = time.perf_counter()
@@ -158,7 +185,8 @@ def _job(args: argparse.Namespace, extra: list[str]) -> Any:
     cmd = [sys.executable, "-m", "hora.runner.cli", "run", "-np", str(args.np), sys.executable,
            os.path.abspath(__file__), "--layers", str(args.layers), "--width", str(args.width),
            "--time-width", str(args.time_width), "--steps", str(args.steps), "--warmup",
-           str(args.warmup), "--rounds", str(args.rounds), *extra]
+           str(args.warmup), "--rounds", str(args.rounds),
+           *(["--dominant"] if args.dominant else []), *extra]
     print("$ " + shlex.join(cmd[2:]), file=sys.stderr, flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -179,7 +207,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=1200.0)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS,
+                        help=f"of {', '.join(VARIANTS)} (whole: ShardedOptimizer with "
+                        "split_parameters=False)")
+    parser.add_argument("--dominant", action="store_true",
+                        help="memory jobs on one Linear(width, 4 width) (80%% of the "
+                        "parameters) + Linear(width, width) instead of --layers")
     parser.add_argument("--skip-time", action="store_true", help="the memory jobs only")
     parser.add_argument("--only-time", action="store_true", help="the step-time job only")
     parser.add_argument("--worker", choices=("memory", "time"))
@@ -205,7 +238,9 @@ def _memory_table(args: argparse.Namespace) -> None:
     memory = {v: _job(args, ["--worker", "memory", "--variant", v])
               for v in args.variants.split(",")}
     first = next(iter(memory.values()))[0]
-    print(f"\nMemory: {args.layers} x Linear({args.width}, {args.width}), "
+    model = (f"Linear({args.width}, {4 * args.width}) + Linear({args.width}, {args.width})"
+             if args.dominant else f"{args.layers} x Linear({args.width}, {args.width})")
+    print(f"\nMemory: {model}, "
           f"{first['params'] / 1e6:.1f} M parameters, Adam state "
           f"{2 * first['params'] * 4 / 2**30:.2f} GiB unsharded; one job per variant")
     print("| variant | state MiB per rank | RSS built MiB | peak RSS MiB | peak - built MiB "

@@ -123,9 +123,11 @@ class _ShardedOptimizer(torch.optim.Optimizer, ShardedCollectives):
         size = len(ranks) if self._shard is not None else 1
         params = self._trainable
         if self.split_parameters:
-            self._plan, self._pieces = sharding.split_plan(
-                [p.numel() for p in params], [p.element_size() for p in params], size,
-                [p.is_contiguous() and not p.is_sparse for p in params])
+            items = [p.element_size() for p in params]
+            self._plan, self._pieces = sharding.chunk(*sharding.split_plan(
+                [p.numel() for p in params], items, size,
+                [p.is_contiguous() and not p.is_sparse for p in params]), items,
+                self.bucket_bytes)  # no row over bucket_bytes: the packed buffers stay small
         else:
             self._plan = sharding.plan([p.numel() * p.element_size() for p in params], size)
             self._pieces = [sharding.Piece(i, 0, p.numel()) for i, p in enumerate(params)]

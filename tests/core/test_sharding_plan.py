@@ -51,3 +51,13 @@ def test_whole_when_it_fits_and_errors() -> None:
         sharding.split_plan([1], [4], 0)
     with pytest.raises(ValueError):
         sharding.split_plan([1, 2], [4], 2)
+
+
+def test_chunk_bounds_every_piece() -> None:
+    the_plan, pieces = sharding.split_plan([100, 10], [4, 4], 2)
+    plan2, chunks = sharding.chunk(the_plan, pieces, [4, 4], 64)
+    assert max(plan2.nbytes) <= 64 and plan2.loads() == the_plan.loads()
+    for i, n in enumerate((100, 10)):
+        mine = [p for p in chunks if p.index == i]
+        assert sum(p.numel for p in mine) == n
+        assert all(a.start + a.numel == b.start for a, b in zip(mine, mine[1:]))

@@ -154,6 +154,27 @@ def split_plan(numels: Sequence[int], itemsizes: Sequence[int], size: int,
     return the_plan, pieces
 
 
+def chunk(the_plan: Plan, pieces: Sequence[Piece], itemsizes: Sequence[int],
+          max_bytes: int) -> tuple[Plan, list[Piece]]:
+    """Cut every piece of ``split_plan`` larger than ``max_bytes`` into consecutive pieces of
+    at most ``max_bytes`` (at least one element each), on the same shard: so that no bucket's
+    row (:func:`layout` with ``max_row_bytes``) has to hold more than the cap."""
+    owner: list[int] = []
+    out: list[Piece] = []
+    for piece, shard in zip(pieces, the_plan.owner):
+        step = max(1, max_bytes // int(itemsizes[piece.index]))
+        start, end = piece.start, piece.start + piece.numel
+        while True:
+            n = min(step, end - start)
+            out.append(Piece(piece.index, start, n))
+            owner.append(shard)
+            start += n
+            if start >= end:
+                break
+    nbytes = tuple(p.numel * int(itemsizes[p.index]) for p in out)
+    return Plan(the_plan.size, tuple(owner), nbytes), out
+
+
 @dataclass(frozen=True)
 class Slot:
     """Where parameter ``index`` sits in its bucket: row ``shard``, elements
@@ -266,5 +287,5 @@ def select_states(full: Mapping[Any, V], owned: Iterable[int]) -> dict[Any, V]:
     return {k: v for k, v in full.items() if int(k) in wanted}
 
 
-__all__ = ["Bucket", "Piece", "Plan", "Slot", "layout", "merge_states", "padding_ratio", "plan",
-           "select_states", "shard_of", "split_plan"]
+__all__ = ["Bucket", "Piece", "Plan", "Slot", "chunk", "layout", "merge_states",
+           "padding_ratio", "plan", "select_states", "shard_of", "split_plan"]
