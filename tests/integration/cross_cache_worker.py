@@ -4,8 +4,9 @@ so process set 0 spans hosts and named allreduces go through the cross-host resp
     python cross_cache_worker.py CASE      print "OK <rank> <json>" or "ERR <rank> <type>: <msg>"
 
 Cases: hits (a named allreduce repeated, then a second name and a changed shape that is
-learned again), join (one rank joins while the others reduce a cached name), mismatch (rank 1 changes the shape of a cached name), deadlock (ranks wait on
-different cached names), death (the last rank exits during a cached cycle).
+learned again), join (one rank joins while the others reduce a cached name), mismatch (rank 1
+changes the shape of a cached name), deadlock (ranks wait on different cached names), death
+(the last rank exits during a cached cycle).
 """
 
 from __future__ import annotations
