@@ -405,8 +405,9 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horovod-s
         process_set: the ranks that average together and share the state; other ranks step
             the whole optimizer locally.
         bucket_bytes: hora-only: the most bytes of one rank's row in one packed buffer (a
-            reduce-scatter and an allgather per bucket, two in flight; a larger parameter gets
-            a bucket of its own). The step reuses two packed buffers of ``size`` rows and two
+            reduce-scatter and an allgather per bucket, two in flight; a larger parameter is
+            cut into slices of at most this size when parameters are split, else gets a
+            bucket of its own). The step reuses two packed buffers of ``size`` rows and two
             rows for the allgather: ``2 * (size + 1) * bucket_bytes`` of memory kept.
         split_parameters: hora-only: plan the shards over the parameters' flattened bytes, a
             parameter split at element boundaries where it does not fit (each rank steps its

@@ -41,6 +41,8 @@ class ShardedCollectives:
     _units: dict[int, torch.Tensor]
     _split: set[int]
     _split_grads: list[tuple[int, torch.Tensor]]
+    _unpacked: dict[int, int]
+    _ready: set[int]
     _buffers: dict[Any, torch.Tensor]
     _bucket_of: dict[torch.Tensor, list[int]]
     _order: list[int]
@@ -100,6 +102,11 @@ class ShardedCollectives:
         self._pending = []
         self._launches = 0
         self._split_grads = []
+        self._unpacked = {}
+        for piece in self._pieces:
+            if piece.index in self._split:
+                self._unpacked[piece.index] = self._unpacked.get(piece.index, 0) + 1
+        self._ready = set()
 
     # ---- collectives ---------------------------------------------------------------------------
     def _pool(self, kind: str, bucket: sharding.Bucket, rows: int, k: int) -> torch.Tensor:
@@ -162,11 +169,13 @@ class ShardedCollectives:
             fill[slot.shard] = max(fill[slot.shard], slot.offset + slot.numel)
             if grad is None:
                 target.zero_()
-                continue
-            dense = grad.to_dense() if grad.is_sparse else grad
-            target.copy_(dense.reshape(-1)[piece.start:piece.start + piece.numel])
-            if slot.shard != self._shard and piece.index not in self._split:
-                p.grad = None  # a split parameter's: after every piece (_write_split_grads)
+            else:
+                dense = grad.to_dense() if grad.is_sparse else grad
+                target.copy_(dense.reshape(-1)[piece.start:piece.start + piece.numel])
+            if piece.index in self._split:
+                self._packed_piece(piece.index)
+            elif slot.shard != self._shard:
+                p.grad = None
         for shard, used in enumerate(fill):
             if used < bucket.width:
                 buf[shard, used:].zero_()
@@ -181,35 +190,52 @@ class ShardedCollectives:
             averaged = row[slot.offset:slot.offset + slot.numel]
             if self._pieces[slot.index].index in self._split:
                 self._split_grads.append((slot.index, averaged))
+                self._flush_split_grads()
                 continue
             p = self._param(slot.index)
             # the averaged gradient is a view of the reduce-scatter's result: no copy
             p.grad = averaged.view_as(p)
 
-    def _write_split_grads(self) -> None:
-        """After every bucket: a split parameter's ``.grad`` holds the averaged gradient of the
-        slices this rank owns (zeros elsewhere: AMP's unscaling and inf checks over the param
-        groups see them), each slice's tensor a view of it; ``None`` where it owns none."""
-        mine: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    def _packed_piece(self, i: int) -> None:
+        """One more piece of split parameter ``i`` packed; after its last one, its ``.grad``
+        is released (this rank owns no slice of it) or made ready for the averaged slices:
+        zeros but where they will be written (AMP's unscaling and inf checks over the param
+        groups see them)."""
+        self._unpacked[i] -= 1
+        if self._unpacked[i] > 0:
+            return
+        p = self._trainable[i]
+        if not any(self._pieces[j].index == i for j in self._units):
+            p.grad = None
+            return
+        grad = p.grad
+        if grad is None or grad.is_sparse or not grad.is_contiguous():
+            grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        else:
+            grad.zero_()
+        p.grad = grad
+        self._ready.add(i)
+
+    def _flush_split_grads(self) -> None:
+        """Write the averaged slices whose parameter's ``.grad`` is ready into it (each slice's
+        tensor a view of it); the others wait."""
+        waiting = []
         for j, averaged in self._split_grads:
-            mine.setdefault(self._pieces[j].index, []).append((j, averaged))
-        for i in self._split:
-            p = self._trainable[i]
-            if i not in mine:
-                p.grad = None
+            piece = self._pieces[j]
+            if piece.index not in self._ready:
+                waiting.append((j, averaged))
                 continue
-            grad = p.grad
-            if grad is None or grad.is_sparse or not grad.is_contiguous():
-                grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            else:
-                grad.zero_()
-            flat = grad.view(-1)
-            for j, averaged in mine[i]:
-                piece = self._pieces[j]
-                flat[piece.start:piece.start + piece.numel].copy_(averaged)
-                self._unit(j).grad = flat[piece.start:piece.start + piece.numel]
-            p.grad = grad
-        self._split_grads = []
+            grad = self._trainable[piece.index].grad
+            assert grad is not None
+            flat = grad.view(-1)[piece.start:piece.start + piece.numel]
+            flat.copy_(averaged)
+            self._unit(j).grad = flat
+        self._split_grads = waiting
+
+    def _write_split_grads(self) -> None:
+        """After every bucket (every piece packed): the averaged slices still waiting."""
+        self._flush_split_grads()
+        assert not self._split_grads, "a split parameter's slices were not all packed"
 
     def _allgather_parameters(self) -> None:
         """Every owner's new values into every rank's parameters, one bucket at a time (the
