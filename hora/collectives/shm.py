@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 
@@ -59,31 +60,57 @@ from hora.collectives.select import (
 from hora.collectives.shm_allreduce import sync, view
 from hora.errors import MismatchError, TransportError
 
+_SUM, _AVERAGE = ReduceOp.Sum, ReduceOp.Average  # (enum members through their class: slow)
+
 _TABLE_ALIGN = 64
 
 
+SegmentViews = list[tuple[U8, int, Any, Array] | None]
+"""A group's views of its segments for :func:`replicated`: one slot per parity and rank
+(``parity * size + rank``), each ``(segment array, nbytes, dtype, view)``."""
+
+
 def replicated(fabric: Fabric, buf: Array, op: ReduceOp, parity: int, src: Array | None = None,
-               postscale: float = 1.0) -> None:
+               postscale: float = 1.0, views: SegmentViews | None = None) -> None:
     """The shared-memory allreduce of small buffers (one signal round): copy this rank's input
     into its segment, signal, and fold every rank's copy into ``buf`` in rank order, the same
     bytes on every rank; then multiply by ``postscale``. ``src``: this rank's input when it is
-    not in ``buf``. Here rather than in :mod:`hora.collectives.shm_allreduce` with the other
-    algorithms because it is the small allreduce of every fast-lane step: written out with as
-    few calls as it takes."""
-    nbytes, dtype, rank = buf.nbytes, buf.dtype, fabric.rank
+    not in ``buf``. ``views``: the caller's views of the segments, kept from op to op (a view
+    is made again when its segment was remapped, or the size or dtype changed: slicing and
+    viewing cost more than the 4 KiB reduction). Here rather than in
+    :mod:`hora.collectives.shm_allreduce` with the other algorithms because it is the small
+    allreduce of every fast-lane step: written out with as few calls as it takes."""
+    nbytes, dtype, rank, size = buf.nbytes, buf.dtype, fabric.rank, fabric.size
     data = buf if src is None else src
-    mine = fabric.reserve(parity, nbytes)[:nbytes].view(dtype)
+    if views is None:
+        views = [None] * (2 * size)
+    k = parity * size
+    base = fabric.reserve(parity, nbytes)
+    v = views[k + rank]
+    if v is None or v[0] is not base or v[1] != nbytes or v[2] is not dtype:
+        v = views[k + rank] = (base, nbytes, dtype, base[:nbytes].view(dtype))
+    mine = v[3]
     mine[...] = data
     fabric.wait_all(fabric.post())
     ufunc = UFUNCS[op]
-    if ufunc is np.add and dtype == np.bool_:
+    if ufunc is np.add and dtype.kind == "b":  # (bool)
         ufunc = np.logical_or
     # ((x0 op x1) op x2) ... on every rank: the same bytes everywhere
-    first = data if rank == 0 else fabric.peer(0, parity, nbytes)[:nbytes].view(dtype)
-    for j in range(1, fabric.size):
-        ufunc(first, mine if j == rank else fabric.peer(j, parity, nbytes)[:nbytes].view(dtype),
-              out=buf)
-        first = buf
+    first = data
+    for j in range(size):
+        if j == rank:
+            other = mine
+        else:
+            base = fabric.peer(j, parity, nbytes)
+            v = views[k + j]
+            if v is None or v[0] is not base or v[1] != nbytes or v[2] is not dtype:
+                v = views[k + j] = (base, nbytes, dtype, base[:nbytes].view(dtype))
+            other = v[3]
+        if j == 0:
+            first = data if rank == 0 else other
+        else:
+            ufunc(first, other, out=buf)
+            first = buf
     if postscale != 1.0:
         scale_inplace(buf, postscale)
 
@@ -134,6 +161,7 @@ class ShmGroup:
         self._cores: int = getattr(fabric, "cores", 0) or usable_cpus()
         self._size = fabric.size
         self._replicated_bytes = shm_replicated_bytes(fabric.size)
+        self._views: SegmentViews = [None] * (2 * fabric.size)  # (replicated()'s)
 
     @property
     def rank(self) -> int:
@@ -154,6 +182,7 @@ class ShmGroup:
     def _fail(self, exc: BaseException) -> None:
         """A collective failed: close the group (see :meth:`_collective`)."""
         self._broken = f"{type(exc).__name__}: {exc}"
+        self._views = [None] * len(self._views)  # (they would keep the segments mapped)
         self._fabric.close()
 
     def _collective(self, staged_buf: Array | None = None) -> _Collective:
@@ -225,12 +254,12 @@ class ShmGroup:
             PeerLostError, HoraTimeoutError: a peer died, closed, or is stuck (named).
         """
         # The checks cost no call when they pass (this runs for every op of the fast lane).
-        if not isinstance(buf, np.ndarray) or buf.ndim != 1 or not buf.flags.c_contiguous \
-                or not buf.flags.writeable:
+        if not isinstance(buf, np.ndarray) or buf.ndim != 1 \
+                or not (flags := buf.flags).c_contiguous or not flags.writeable:
             check_array(buf, "allreduce buffer", writable=True)
         if buf.dtype not in REDUCIBLE:
             check_reducible(buf, "allreduce buffer")
-        if op is not ReduceOp.Sum and op is not ReduceOp.Average:
+        if op is not _SUM and op is not _AVERAGE:
             op = elementwise_op(op)  # (Average is reduced as a Sum: the caller postscales)
         staged = self._staged is not None
         if src is not None:
@@ -264,7 +293,7 @@ class ShmGroup:
             elif staged:
                 shm_allreduce.staged(self._fabric, buf, op, parity, postscale)
             elif choice == "replicated":
-                replicated(self._fabric, buf, op, parity, src, postscale)
+                replicated(self._fabric, buf, op, parity, src, postscale, self._views)
             else:
                 chunk = (nbytes if nbytes <= SHM_ONE_CHUNK_BYTES else SHM_CHUNK_BYTES
                          if self._size <= self._cores else SHM_CHUNK_BYTES_OVERSUBSCRIBED)
@@ -404,6 +433,7 @@ class ShmGroup:
     def close(self) -> None:
         """Unmap and unlink this rank's segments (peers waiting on it get PeerLostError).
         Idempotent."""
+        self._views = [None] * len(self._views)  # (they would keep the segments mapped)
         self._fabric.close()
 
 

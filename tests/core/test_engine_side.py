@@ -104,7 +104,7 @@ def test_a_failed_lane_collective_reaches_the_engine_through_lane_failed(world: 
     def broken(*_args: Any) -> None:
         raise RuntimeError("broken collective")
 
-    lane._executor.execute = broken
+    lane._executor.execute = lane._executor.execute_one = broken  # (a lone op: execute_one)
     hs = [w.submit(r, "f", np.ones(3), op=SUM) for r in range(2)]
     for h in hs:
         with pytest.raises(HoraInternalError):

@@ -46,6 +46,14 @@ log = get_logger(__name__)
 
 _OPS = {int(op): op for op in ReduceOp}
 
+_may_share_memory = np.may_share_memory
+
+# (module constants: an enum member read through its class costs 100-200 ns in Python 3.11,
+# and every response runs these tests)
+_ERROR, _ALLREDUCE = OpKind.ERROR, OpKind.ALLREDUCE
+_CONTROL = (OpKind.BARRIER, OpKind.JOIN, OpKind.REMOVE_PROCESS_SET, OpKind.ADD_PROCESS_SET)
+_AVERAGE, _ADASUM = ReduceOp.Average, ReduceOp.Adasum
+
 _ERROR_TYPES: dict[int, type[HoraInternalError]] = {
     ERROR_SHUTDOWN: ShutdownError, ERROR_STALL: HoraTimeoutError, ERROR_DEADLOCK: DeadlockError,
 }
@@ -150,7 +158,7 @@ class Executor:
     def execute(self, resp: Response, entries: dict[str, Entry]) -> None:
         """Run ``resp``; ``entries`` are this rank's local ops by name (popped when done)."""
         kind = resp.kind
-        if kind is OpKind.ERROR:
+        if kind is _ERROR:
             for name in resp.names:
                 entry = entries.pop(name, None)
                 if entry is not None:
@@ -158,8 +166,7 @@ class Executor:
                     entry.handle.set_error(error_type(resp.error))
             return
         tl = self._tl
-        if kind in (OpKind.BARRIER, OpKind.JOIN, OpKind.REMOVE_PROCESS_SET,
-                    OpKind.ADD_PROCESS_SET):
+        if kind in _CONTROL:
             self._control_op(resp, entries)
             tl.op_end(resp.names[0])
             return
@@ -168,7 +175,7 @@ class Executor:
             route = self.route_for(resp.set_id)
         if self.observe is not None:
             self.observe(resp)
-        if kind is OpKind.ALLREDUCE:
+        if kind is _ALLREDUCE:
             try:
                 self._allreduce(route, resp, entries)
             except BaseException as exc:
@@ -189,6 +196,41 @@ class Executor:
             raise
         tl.op_end(resp.names[0], resp.dtype, resp.shapes[0] if resp.shapes else ())
         _complete(entry, result)
+
+    def execute_one(self, resp: Response, entry: Entry) -> None:
+        """:meth:`execute` of ``resp`` for one local op (the fast lane's single ops), with its
+        common case written out: one host allreduce that nothing observes or records, reduced
+        over the route at once (no dict of entries, no fusion path; ~1 us less per op)."""
+        route = self._routes.get(resp.set_id)
+        out, x = entry.output, entry.tensor
+        if resp.kind is not _ALLREDUCE or route is None or self.observe is not None \
+                or not self._host_only or self._recordable or len(resp.names) != 1 \
+                or resp.joined or resp.prescale != 1.0 or resp.op == _ADASUM \
+                or type(out) is not np.ndarray or type(x) is not np.ndarray \
+                or resp.names[0] != entry.request.name:
+            self.execute(resp, {entry.request.name: entry})
+            return
+        try:  # (what _allreduce does for a single host tensor)
+            src = None
+            if out is not x:
+                if not _may_share_memory(out, x):
+                    src = x if x.ndim == 1 else x.reshape(-1)
+                else:
+                    np.copyto(out, x)
+            buf = out if out.ndim == 1 else out.reshape(-1)
+            scratch = self._scratch
+            if scratch.nbytes < buf.nbytes:
+                scratch = self._scratch_for(buf.nbytes)
+            route.allreduce(buf, _OPS[resp.op], scratch, src=src, postscale=resp.postscale
+                            / route.comm.size if resp.op == _AVERAGE else resp.postscale)
+        except BaseException as exc:
+            self._tl.error(resp.names[0], str(exc))
+            self.unfinished.append(entry)  # see execute()
+            raise
+        if entry.finish is None:
+            entry.handle.set_result(out)
+        else:
+            _complete(entry, out)
 
     # ---- ops --------------------------------------------------------------------------------
     def _control_op(self, resp: Response, entries: dict[str, Entry]) -> None:
@@ -234,19 +276,16 @@ class Executor:
                 assert isinstance(out, np.ndarray) and isinstance(x, np.ndarray), \
                     "a host form got a device buffer"
                 if out is not x:
-                    # (np.may_share_memory's bounds test on two C-contiguous arrays, inline)
-                    start, x_start = (out.__array_interface__["data"][0],
-                                      x.__array_interface__["data"][0])
-                    if resp.prescale == 1.0 and (start + out.nbytes <= x_start
-                                                 or x_start + x.nbytes <= start):
-                        src = x.reshape(-1)
+                    # (its bounds test: ~0.15 us; reading __array_interface__ costs ~2 us)
+                    if resp.prescale == 1.0 and not _may_share_memory(out, x):
+                        src = x if x.ndim == 1 else x.reshape(-1)
                     else:
                         np.copyto(out, x)
-                buf = out.reshape(-1)
+                buf = out if out.ndim == 1 else out.reshape(-1)
             else:
                 self._tl.activity_start_all(names, MEMCPY_IN_FUSION_BUFFER)
                 staged = (route.staging(total * dtype.itemsize)  # shared memory: packing is
-                          if resp.op != ReduceOp.Adasum else None)  # the only copy (not Adasum's)
+                          if resp.op != _ADASUM else None)  # the only copy (not Adasum's)
                 buf = (staged.view(dtype) if staged is not None
                        else self._fusion_view(dtype, total))
                 offset = 0
@@ -257,7 +296,7 @@ class Executor:
                         buf[offset:offset + n] = _host(entry.tensor).reshape(-1)
                     offset += n
             postscale = resp.postscale
-            if resp.op == ReduceOp.Average:
+            if resp.op == _AVERAGE:
                 postscale = postscale / route.comm.size
             if resp.prescale != 1.0:
                 scale_inplace(buf, resp.prescale)
@@ -268,7 +307,7 @@ class Executor:
             if scratch.nbytes < buf.nbytes:
                 scratch = self._scratch_for(buf.nbytes)
             route.allreduce(buf, _OPS[resp.op], scratch,  # Adasum: each tensor's size
-                            counts=sizes if resp.op == ReduceOp.Adasum and not single else None,
+                            counts=sizes if resp.op == _ADASUM and not single else None,
                             src=src, postscale=postscale)
             if single and not recording:
                 entry = local[0]

@@ -76,6 +76,8 @@ from hora.transports.base import Transport
 
 log = get_logger(__name__)
 
+_ALLREDUCE, _ALLGATHER = OpKind.ALLREDUCE, OpKind.ALLGATHER  # (submit's: see lane/fastlane.py)
+
 ABORT_GATHER_SECONDS = 0.5
 """On a local failure, how long to listen for other ranks' reasons before failing the ops."""
 
@@ -147,7 +149,7 @@ class Engine:
         handle.release = self._release_name  # frees the name before any waiter wakes
         handle.report_wait = self._report_wait  # one bound method for every op (no allocation)
         kind = req.kind
-        if kind is OpKind.ALLREDUCE or kind is OpKind.ALLGATHER:
+        if kind is _ALLREDUCE or kind is _ALLGATHER:
             lane = self._lanes.by_set.get(req.set_id)  # (an open lane: no lock, no call)
             if lane is not None and lane.offer([entry]) or lane is None and \
                     self._lanes.offer([entry]):

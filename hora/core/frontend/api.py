@@ -37,6 +37,8 @@ from hora.core.op.messages import OpKind, Request
 from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.errors import HorovodInternalError
 
+_ADASUM = ReduceOp.Adasum  # (an enum member through its class costs 100-200 ns in 3.11)
+
 
 def resolve_op(op: int | None, average: bool | None) -> ReduceOp:
     """Horovod's ``op`` / deprecated ``average`` arguments -> a :class:`ReduceOp`.
@@ -214,7 +216,7 @@ def allreduce_entry(ctx: context.Context, tensor: Any, name: str | None, op: int
     ranks = None if set_id is None else ctx.engine.registry.member_ranks.get(set_id)
     if set_id is None or ranks is None or ctx.rank not in ranks:
         set_id, ranks = _set_ranks(ctx, process_set)  # raises what is wrong
-    if op is ReduceOp.Adasum:
+    if op is _ADASUM:
         _check_adasum(tensor, ranks)
     original = tensor
     if type(tensor) is np.ndarray and tensor.flags.c_contiguous:
@@ -226,13 +228,13 @@ def allreduce_entry(ctx: context.Context, tensor: Any, name: str | None, op: int
     finish = None
     out: Buffer
     if inplace:
-        if isinstance(original, DeviceBuffer):  # contiguous: the result lands in it
+        if isinstance(original, np.ndarray):  # (first: no isinstance of an ABC)
             out = work
-        elif not isinstance(original, np.ndarray):
-            raise TypeError("in-place allreduce needs a numpy array")
+            finish = None if work is original else _writeback(original, work)
+        elif isinstance(original, DeviceBuffer):  # contiguous: the result lands in it
+            out = work
         else:
-            out = work
-            finish = _writeback(original, work)
+            raise TypeError("in-place allreduce needs a numpy array")
     elif output is not None:
         out = output
     elif type(work) is np.ndarray:
@@ -255,8 +257,7 @@ def allreduce_entry(ctx: context.Context, tensor: Any, name: str | None, op: int
         full = ctx.engine.names.name(prefix, None, set_id)
         req = _request(full, ctx.rank, set_id, dtype, work.shape, op, prescale_factor,
                        postscale_factor, device, group)
-    return Entry(request=req, tensor=work, output=out, handle=Handle(full, set_id),
-                 finish=finish, sync=sync)
+    return Entry(req, work, out, Handle(full, set_id), finish, sync)  # (positional: ~90 ns less)
 
 
 def allgather_async(tensor: Any, *, name: str | None = None,

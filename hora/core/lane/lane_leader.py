@@ -48,6 +48,8 @@ from hora.transports.shm_board import (
 
 log = get_logger(__name__)
 
+_ALLGATHER = OpKind.ALLGATHER  # (an enum member through its class: 100-200 ns in 3.11)
+
 AGREED = 0
 """What :meth:`Leader._unit` finds when every member logged the same unit."""
 
@@ -134,7 +136,7 @@ class Leader:
             if status == DIFFERENT:
                 self._publish(DIVERGED, end - p)
                 self._decided = end
-            elif unit[0].kind is OpKind.ALLGATHER:
+            elif unit[0].kind is _ALLGATHER:
                 fits = all(self._cache.allgather_fits(slot, boards.rows(p + i))
                            for i, slot in enumerate(unit))
                 self._publish(FAST if fits else DIVERGED, len(unit))
@@ -143,9 +145,13 @@ class Leader:
                 q, total = (1, unit[0].nbytes) if len(unit) == 1 else self._fused(unit)
                 waiting = False
                 if q == len(unit) and total < SOLO_BYTES:  # the whole unit: more may join it
-                    end, waiting = self._grow(p, at, unit[0], total, slots)
+                    following = look(at, len(slots))  # (nothing there yet: no _grow call)
+                    end, waiting = ((at, True) if following in (UNWRITTEN, UNLOGGED)
+                                    else self._grow(p, at, unit[0], total, slots))
                     q = end - p
-                self._publish(FAST, q)  # (a unit larger than one op: its first part)
+                boards.publish(self._published, FAST, q)  # (_publish's FAST, inline; a unit
+                self._published += 1  # larger than one op: its first part)
+                self._room -= 1
                 self._decided = p + q
                 if waiting:  # the next position is not logged everywhere yet: stop here
                     break

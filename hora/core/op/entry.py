@@ -52,11 +52,20 @@ DUPLICATE = ("Requested to allreduce, allgather, or broadcast a tensor with the 
 
 class InFlight:
     """The names of the ops in flight, per process set (an op's name is taken at submission and
-    freed when it completes). Thread-safe."""
+    freed when it completes). Thread-safe without a lock on the submit path: a name is taken
+    by one ``dict.setdefault``, which the GIL makes atomic (str keys: no Python code runs in
+    it), and freed by one ``dict.pop`` (two lock round trips per op saved)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._names: dict[int, set[str]] = {}
+        self._lock = threading.Lock()  # (only to add a set's table)
+        self._names: dict[int, dict[str, object]] = {}
+
+    def _table(self, set_id: int) -> dict[str, object]:
+        names = self._names.get(set_id)
+        if names is None:
+            with self._lock:
+                names = self._names.setdefault(set_id, {})
+        return names
 
     def take(self, set_id: int, name: str) -> None:
         """Take ``name`` on ``set_id``.
@@ -64,30 +73,31 @@ class InFlight:
         Raises:
             ValueError: it is in flight already (Horovod's text).
         """
-        with self._lock:
-            names = self._names.get(set_id)
-            if names is None:
-                names = self._names[set_id] = set()
-            if name in names:
-                raise ValueError(f"{DUPLICATE} (name: '{name}'; give each in-flight op a "
-                                 "distinct name=)")
-            names.add(name)
+        names = self._names.get(set_id)
+        if names is None:
+            names = self._table(set_id)
+        token = object()
+        if names.setdefault(name, token) is not token:
+            raise ValueError(f"{DUPLICATE} (name: '{name}'; give each in-flight op a "
+                             "distinct name=)")
 
     def take_all(self, set_id: int, wanted: list[str]) -> None:
         """Take every name of ``wanted``, or none of them (ValueError as :meth:`take`)."""
-        with self._lock:
-            names = self._names.setdefault(set_id, set())
-            for i, name in enumerate(wanted):
-                if name in names or name in wanted[:i]:
-                    raise ValueError(f"{DUPLICATE} (name: '{name}'; give each in-flight op a "
-                                     "distinct name=)")
-            names.update(wanted)
+        names = self._table(set_id)
+        taken: list[tuple[str, object]] = []
+        for name in wanted:
+            token = object()
+            if names.setdefault(name, token) is not token:
+                for mine, its in taken:  # none of them: give back what this call took
+                    if names.get(mine) is its:
+                        names.pop(mine, None)
+                raise ValueError(f"{DUPLICATE} (name: '{name}'; give each in-flight op a "
+                                 "distinct name=)")
+            taken.append((name, token))
 
     def free(self, set_id: int, name: str) -> None:
-        with self._lock:
-            self._names[set_id].discard(name)
+        self._names[set_id].pop(name, None)
 
     def release(self, handle: Handle) -> None:
         """A handle's op is done: free its name (:attr:`~hora.core.op.handle.Handle.release`)."""
-        with self._lock:
-            self._names[handle.set_id].discard(handle.name)
+        self._names[handle.set_id].pop(handle.name, None)
