@@ -42,10 +42,14 @@ ADASUM = ["adasum-allreduce-eager", "adasum-allreduce-jit", "adasum-tree",
 
 SHARDED = ["sharded-equivalence", "sharded-state-bytes", "sharded-full-state",
            "sharded-accumulation", "sharded-eager", "sharded-elastic"]
+SHARDED4 = ["sharded-equivalence", "sharded-state-bytes", "sharded-accumulation",
+            "sharded-elastic"]
 """The cases of group_jax_sharded.py (test_jax_sharded.py)."""
 
 
 def ids(group: str) -> list[str]:
     if group == "group_jax_sharded":
         return SHARDED
+    if group == "group_jax_sharded4":
+        return SHARDED4
     return ADASUM if group == "group_jax_adasum" else all_ids()
