@@ -228,6 +228,9 @@ class _ShardedOptimizer(torch.optim.Optimizer, ShardedCollectives):
             raise AssertionError(_ZERO_GRAD_PENDING)
         self._passes.clear()
         self._hora_base.zero_grad(self, set_to_none)
+        for j, unit in self._units.items():  # a slice's view would keep the old gradient
+            if unit is not self._param(j):
+                unit.grad = None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the averaged gradients by their global norm (hora-only; after
