@@ -118,6 +118,8 @@ class _ShardedOptimizer(torch.optim.Optimizer, ShardedCollectives):
         if key == self._plan_key:
             return
         ranks, rank, _ = key
+        slices = {(id(self._param(j)), self._pieces[j].start, self._pieces[j].numel): unit
+                  for j, unit in self._units.items() if unit is not self._param(j)}
         self._trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self._shard = sharding.shard_of(ranks, rank)
         size = len(ranks) if self._shard is not None else 1
@@ -139,6 +141,10 @@ class _ShardedOptimizer(torch.optim.Optimizer, ShardedCollectives):
             itemsizes=[params[pc.index].element_size() for pc in self._pieces])
         mine = self._shard if self._shard is not None else 0
         self._units = {j: self._flat(j) for j in self._plan.owned(mine)}
+        for j, unit in self._units.items():  # a slice this rank keeps keeps its state
+            old = slices.get((id(self._param(j)), self._pieces[j].start, self._pieces[j].numel))
+            if old is not None and old in self.state:
+                self.state[unit] = self.state.pop(old)
         kept = {id(u) for u in self._units.values()}
         for p in list(self.state):
             if id(p) not in kept:
