@@ -3,8 +3,9 @@
 
 As :func:`hora.torch.DistributedOptimizer` does, :func:`ShardedOptimizer` builds a runtime
 subclass of the wrapped optimizer's class (``isinstance(opt, torch.optim.Adam)`` holds) sharing
-its param groups. Each trainable parameter is owned by one member of the process set (the plan
-of :mod:`hora.core.frontend.sharding`, balanced by bytes). ``step()``:
+its param groups. Each trainable parameter, or for elementwise optimizers each slice of one
+(``split_parameters``), is owned by one member of the process set (the plans of
+:mod:`hora.core.frontend.sharding`, balanced by bytes). ``step()``:
 
 1. packs the gradients into one ``[size, width]`` buffer per dtype (row ``s``: the gradients of
    the parameters shard ``s`` owns) and reduce-scatters it (``op``, predivide factor and
