@@ -37,6 +37,7 @@ from hora.collectives.ops import ReduceOp
 from hora.core.frontend import distopt, sharding
 from hora.core.frontend import objects as _objects
 from hora.core.op.process_set import ProcessSet, global_process_set
+from hora.jax import sharded_global
 from hora.jax.compression import Compression, Compressor
 from hora.jax.ops import grouped_allgather, grouped_reducescatter
 
@@ -81,7 +82,8 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,  # noqa: N802 - Ho
                      backward_passes_per_step: int = 1, op: int = ReduceOp.Average,
                      gradient_predivide_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set,
-                     name: str = "ShardedOptimizer") -> ShardedTransformation:
+                     name: str = "ShardedOptimizer",
+                     clip_global_norm: float | None = None) -> ShardedTransformation:
     """Wrap optax transformation ``optimizer`` (hora-only): gradients averaged across the
     process set as :func:`hora.jax.DistributedOptimizer` does, its state sharded across the
     members (see the module docstring).
@@ -95,11 +97,20 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,  # noqa: N802 - Ho
         process_set: the members that average and share the state; other ranks apply the whole
             transformation to their own gradients.
         name: the base of the collectives' names (two optimizers in one program need two).
+        clip_global_norm: (hora-only) clip the averaged gradients to this global norm before
+            ``optimizer``, as ``optax.chain(optax.clip_by_global_norm(clip_global_norm),
+            optimizer)`` under ``DistributedOptimizer``: the norm of every rank's leaves (one
+            scalar allreduce). ``optax.clip_by_global_norm`` inside ``optimizer`` would see
+            this rank's leaves only, so it is refused.
 
     Raises:
-        ValueError: an op other than Average / Sum, or invalid options.
+        ValueError: an op other than Average / Sum, invalid options, or ``optimizer`` holding
+            an optax transformation that reads every leaf (``clip_by_global_norm``,
+            ``apply_if_finite``, ...; :mod:`hora.jax.sharded_global`).
     """
     distopt.check_options(op, gradient_predivide_factor, backward_passes_per_step, 0, None)
+    sharded_global.check_max_norm(clip_global_norm)
+    sharded_global.check_transformation(optimizer)
     if ReduceOp(op) not in (ReduceOp.Average, ReduceOp.Sum):
         raise ValueError(f"ShardedOptimizer reduce-scatters gradients: op must be Average or "
                          f"Sum, not {ReduceOp(op).name}")
@@ -160,7 +171,11 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,  # noqa: N802 - Ho
         lay = layout(leaves)
         p_leaves = None if params is None else jax.tree_util.tree_leaves(params)
         if not lay.sharded:
-            new, state = optimizer.update(owned(lay, leaves), state,
+            mine = owned(lay, leaves)
+            if clip_global_norm is not None:
+                mine = sharded_global.clip_by_global_norm(mine, clip_global_norm, False, name,
+                                                          process_set)
+            new, state = optimizer.update(mine, state,
                                           None if p_leaves is None else owned(lay, p_leaves))
             return jax.tree_util.tree_unflatten(
                 treedef, [new[_key(i)] for i in range(len(leaves))]), state
@@ -175,6 +190,9 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,  # noqa: N802 - Ho
                 grads[_key(slot.index)] = jnp.reshape(
                     row[slot.offset:slot.offset + slot.numel], np.shape(leaf)).astype(
                         jnp.result_type(leaf))
+        if clip_global_norm is not None:
+            grads = sharded_global.clip_by_global_norm(grads, clip_global_norm, True, name,
+                                                       process_set)
         new, state = optimizer.update(grads, state,
                                       None if p_leaves is None else owned(lay, p_leaves))
         gathered = grouped_allgather(pack_mine(lay, new, leaves), name=f"{name}.updates",

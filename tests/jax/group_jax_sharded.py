@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 TOL = 1e-5
 SETS: dict[str, Any] = {}
@@ -168,7 +169,43 @@ def elastic_state(hvd: Any) -> None:
     assert _diff(got, want) <= TOL, _diff(got, want)
 
 
+def clipping(hvd: Any) -> None:
+    """clip_global_norm=0.05 (it bites: the unclipped run ends elsewhere) equals
+    DistributedOptimizer over optax.chain(optax.clip_by_global_norm(0.05), ...) (<= 1e-5),
+    jitted and with backward_passes_per_step=2; optax.clip_by_global_norm (or another
+    transformation reading every leaf) inside the wrapped one is refused by name."""
+    def sgd() -> Any:
+        return optax.sgd(0.5, momentum=0.9)
+
+    for i, kw in enumerate(({}, {"backward_passes_per_step": 2})):
+        got, _ = _train(hvd, hvd.ShardedOptimizer(sgd(), name=f"sh.clip{i}",
+                                                  clip_global_norm=0.05, **kw), 10)
+        want, _ = _train(hvd, hvd.DistributedOptimizer(
+            optax.chain(optax.clip_by_global_norm(0.05), sgd()), name=f"ref.clip{i}", **kw), 10)
+        free, _ = _train(hvd, hvd.DistributedOptimizer(sgd(), name=f"ref.free{i}", **kw), 10)
+        assert _diff(got, want) <= TOL, (kw, _diff(got, want))
+        assert _diff(free, want) > 1e-2, (kw, _diff(free, want))
+        print(f"[sharded-jax] clip {kw} max diff {_diff(got, want):.3g}, unclipped "
+              f"{_diff(free, want):.3g}", flush=True)
+    with pytest.raises(ValueError, match=r"optax\.clip_by_global_norm.*clip_global_norm="):
+        hvd.ShardedOptimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.01)))
+    with pytest.raises(ValueError, match=r"optax\.clip_by_global_norm"):
+        hvd.ShardedOptimizer(optax.MultiSteps(optax.chain(optax.clip_by_global_norm(1.0),
+                                                          optax.sgd(0.1)), 2))
+    with pytest.raises(ValueError, match=r"optax\.clip_by_global_norm"):
+        hvd.ShardedOptimizer(optax.inject_hyperparams(optax.clip_by_global_norm)(max_norm=1.0))
+    with pytest.raises(ValueError, match=r"optax\.apply_if_finite.*DistributedOptimizer"):
+        hvd.ShardedOptimizer(optax.apply_if_finite(optax.adam(0.01), 3))
+    with pytest.raises(ValueError, match="clip_global_norm must be a positive number"):
+        hvd.ShardedOptimizer(optax.adam(0.01), clip_global_norm=0.0)
+    for fine in (optax.adamw(0.01), optax.chain(optax.clip(1.0), optax.adam(0.01)),
+                 optax.chain(optax.adaptive_grad_clip(0.1), optax.sgd(0.1)),
+                 optax.inject_hyperparams(optax.adam)(learning_rate=0.01)):
+        hvd.ShardedOptimizer(fine)
+
+
 def cases() -> list[tuple[str, Any]]:
     return [("sharded-equivalence", equivalence), ("sharded-state-bytes", state_bytes),
             ("sharded-full-state", full_state), ("sharded-accumulation", accumulation),
-            ("sharded-eager", eager), ("sharded-elastic", elastic_state)]
+            ("sharded-eager", eager), ("sharded-elastic", elastic_state),
+            ("sharded-clip", clipping)]

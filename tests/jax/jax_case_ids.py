@@ -41,7 +41,7 @@ ADASUM = ["adasum-allreduce-eager", "adasum-allreduce-jit", "adasum-tree",
 
 
 SHARDED = ["sharded-equivalence", "sharded-state-bytes", "sharded-full-state",
-           "sharded-accumulation", "sharded-eager", "sharded-elastic"]
+           "sharded-accumulation", "sharded-eager", "sharded-elastic", "sharded-clip"]
 SHARDED4 = ["sharded-equivalence", "sharded-state-bytes", "sharded-accumulation",
             "sharded-elastic"]
 """The cases of group_jax_sharded.py (test_jax_sharded.py)."""

@@ -7,7 +7,8 @@ from typing import Any
 
 import tf_sharded_cases
 
-CASE_IDS = ["sharded-fit", "sharded-state-bytes", "sharded-sum-predivide", "sharded-passes"]
+CASE_IDS = ["sharded-fit", "sharded-state-bytes", "sharded-sum-predivide", "sharded-passes",
+            "sharded-clip"]
 
 
 def init(hvd: Any) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import tf_sharded_cases
 
 CASE_IDS = ["sharded-fit", "sharded-state-bytes", "sharded-sum-predivide", "sharded-passes",
-            "sharded-full-state", "sharded-elastic"]
+            "sharded-full-state", "sharded-elastic", "sharded-clip"]
 
 
 def init(hvd: Any) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import hora.keras as hk
@@ -225,12 +226,32 @@ def elastic_state(hvd: Any) -> None:
     print(f"[sharded-keras] elastic max diff {diff:.3g}", flush=True)
 
 
+def clipping(hvd: Any) -> None:
+    """clipnorm (per variable, exact under sharding) that bites equals DistributedOptimizer with
+    the same clipnorm (<= 1e-5); global_clipnorm is refused at construction by name."""
+    def sgd(**kw: Any) -> Any:
+        return keras.optimizers.SGD(0.5, momentum=0.9, **kw)
+
+    got = _fit(hvd, hk.ShardedOptimizer(sgd(clipnorm=0.01), name="sh_clip"), steps=6)
+    want = _fit(hvd, hk.DistributedOptimizer(sgd(clipnorm=0.01), name="ref_clip"), steps=6)
+    free = _fit(hvd, hk.DistributedOptimizer(sgd(), name="ref_free"), steps=6)
+    diff = float(np.max(np.abs(_weights(got) - _weights(want))))
+    unclipped = float(np.max(np.abs(_weights(free) - _weights(want))))
+    print(f"[sharded-keras] clipnorm max diff {diff:.3g}, unclipped {unclipped:.3g}", flush=True)
+    assert diff <= TOL, diff
+    assert unclipped > 1e-2, unclipped
+    with pytest.raises(ValueError, match=r"global_clipnorm=0\.5.*clipnorm="):
+        hk.ShardedOptimizer(sgd(global_clipnorm=0.5))
+
+
 def keras3_cases() -> list[tuple[str, Any]]:
     return [("sharded-fit", fit_equivalence), ("sharded-state-bytes", state_bytes),
             ("sharded-sum-predivide", predivide_and_sum), ("sharded-passes", passes),
-            ("sharded-full-state", full_state), ("sharded-elastic", elastic_state)]
+            ("sharded-full-state", full_state), ("sharded-elastic", elastic_state),
+            ("sharded-clip", clipping)]
 
 
 def keras2_cases() -> list[tuple[str, Any]]:
     return [("sharded-fit", fit_equivalence), ("sharded-state-bytes", state_bytes),
-            ("sharded-sum-predivide", predivide_and_sum), ("sharded-passes", passes)]
+            ("sharded-sum-predivide", predivide_and_sum), ("sharded-passes", passes),
+            ("sharded-clip", clipping)]

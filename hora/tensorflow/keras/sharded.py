@@ -305,6 +305,20 @@ class _ShardedOptimizer:
         self.iterations.assign(full["iterations"])
 
 
+def _check_global_clipnorm(optimizer: Any) -> None:
+    """Keras 3 and tf-keras (v2.11+ and legacy) keep ``global_clipnorm`` in their config and
+    as an attribute; the sharded optimizer hands Keras this rank's gradients only."""
+    value = optimizer.get_config().get("global_clipnorm")
+    if value is None:
+        value = getattr(optimizer, "global_clipnorm", None)
+    if value is not None:
+        raise ValueError(f"ShardedOptimizer applies {type(optimizer).__name__} to this rank's "
+                         f"variables only, so global_clipnorm={value} would be the norm of this "
+                         f"rank's gradients, not of all: build the optimizer with clipnorm= "
+                         f"(per variable, exact under sharding) or without clipping, or use "
+                         f"DistributedOptimizer for global_clipnorm")
+
+
 def ShardedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802 - Horovod-style
                      compression: type[Compressor] = Compression.none,
                      gradient_predivide_factor: float = 1.0, op: int = ReduceOp.Average,
@@ -329,9 +343,12 @@ def ShardedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802 - Ho
             locally accumulated gradients.
 
     Raises:
-        ValueError: an op other than Average / Sum, invalid options.
+        ValueError: an op other than Average / Sum, invalid options, or an optimizer built with
+            ``global_clipnorm`` (Keras would compute the norm over this rank's gradients only;
+            ``clipnorm`` and ``clipvalue``, per variable, are exact).
     """
     distopt.check_options(op, gradient_predivide_factor, backward_passes_per_step, 0, None)
+    _check_global_clipnorm(optimizer)
     if ReduceOp(op) not in (ReduceOp.Average, ReduceOp.Sum):
         raise ValueError(f"ShardedOptimizer reduce-scatters gradients: op must be Average or "
                          f"Sum, not {ReduceOp(op).name}")
