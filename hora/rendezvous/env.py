@@ -52,9 +52,11 @@ from hora.rendezvous.slurm_lists import expand_nodelist, expand_tasks_per_node
 log = get_logger(__name__)
 
 LAUNCHERS = ("hora", "mpirun", "slurm", "torchrun", "single")
-PORT_RANGE = (20000, 60000)
-"""Derived store ports fall in ``[low, high)``: above the common service ports, below the
-ephemeral range most Linux systems use for outgoing connections."""
+PORT_RANGE = (20000, 32768)
+"""Derived store ports fall in ``[low, high)``: above the common service ports, below Linux's
+default ephemeral range (32768-60999, ``net.ipv4.ip_local_port_range``), from which outgoing
+connections take their local ports: a derived port inside it could be held by any busy
+connection of the host when rank 0 binds it."""
 
 
 @dataclass(frozen=True)
