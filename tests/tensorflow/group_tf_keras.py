@@ -49,6 +49,9 @@ def _fit_case(backward_passes: int) -> Any:
         check = epoch_check(keras.callbacks.Callback, hk.allgather_object)
         model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[check])
         assert check.epochs == 2
+        # the optimizer's variables are its own (its checkpoints load into a plain optimizer)
+        own = {v.path for v in opt.variables} & {w.path for w in model.weights}
+        assert not own, f"model weights among the optimizer's variables: {sorted(own)}"
         # one process, plain SGD, on the union of the batches; Horovod's default for
         # accumulated gradients is their sum (average_aggregated_gradients=False): lr * passes
         ref = _model(seed=0)

@@ -47,7 +47,10 @@ class _DistributedOptimizer(keras.optimizers.Optimizer):
     _hora_variables: list[Any]
 
     def _backend_apply_gradients(self, grads: Any, trainable_variables: Any) -> Any:
-        self._hora_variables = list(trainable_variables)
+        # object.__setattr__: Keras tracks variables in lists assigned to an optimizer, so a
+        # plain assignment made the model's weights part of optimizer.variables (and of its
+        # checkpoints, which a plain optimizer then could not load).
+        object.__setattr__(self, "_hora_variables", list(trainable_variables))
         return self._hora_base._backend_apply_gradients(self, grads, trainable_variables)
 
     def _clip_gradients(self, grads: Any) -> Any:
@@ -76,7 +79,7 @@ def _build(optimizer: Any, options: Options, mixin: type = _DistributedOptimizer
         config["gradient_accumulation_steps"] = passes
     opt = cls.from_config(config)
     opt._hora_reducer = options.reducer()
-    opt._hora_variables = []
+    object.__setattr__(opt, "_hora_variables", [])
     if passes > 1 and not options.average_aggregated_gradients:
         opt._hora_sum_factor = float(passes)
     return opt
