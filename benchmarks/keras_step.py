@@ -42,13 +42,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import socket
 import statistics
-import subprocess
-import sys
 import time
 from typing import Any
+
+from _relaunch import relaunch
 
 VARIANTS = ("hora", "mwms", "nosync", "nosync_loop")
 
@@ -271,14 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(args)
         return
-    passed = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--worker"]
-    cmd = [sys.executable, "-m", "hora.runner.cli", "run", "-np", str(args.np), sys.executable,
-           os.path.abspath(__file__), "--worker", *passed]
-    print("launching: " + shlex.join(["hora", "run", "-np", str(args.np), "python",
-                                      "benchmarks/keras_step.py", "--worker", *passed]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
-           "KERAS_BACKEND": "tensorflow"}
-    sys.exit(subprocess.call(cmd, env=env))
+    relaunch(__file__, args.np, argv,
+             {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": "tensorflow"})
 
 
 if __name__ == "__main__":

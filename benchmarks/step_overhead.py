@@ -35,13 +35,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+from _relaunch import relaunch
 
 Runner = Callable[[int], list[float]]  # run n steps, return the time stamp after each
 
@@ -335,17 +334,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(args)
         return
-    passed = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--worker"]
-    cmd = [sys.executable, "-m", "hora.runner.cli", "run", "-np", str(args.np), sys.executable,
-           os.path.abspath(__file__), "--worker", *passed]
-    print("launching: " + shlex.join(["hora", "run", "-np", str(args.np), "python",
-                                      "benchmarks/step_overhead.py", "--worker", *passed]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
-           "KERAS_BACKEND": "tensorflow", "JAX_PLATFORMS": "cpu",
-           # one XLA thread per rank, as torch and TensorFlow get one each
-           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
-                                                    "intra_op_parallelism_threads=1")}
-    sys.exit(subprocess.call(cmd, env=env))
+    relaunch(__file__, args.np, argv, {
+        "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": "tensorflow",
+        "JAX_PLATFORMS": "cpu",
+        # one XLA thread per rank, as torch and TensorFlow get one each
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
+                                                 "intra_op_parallelism_threads=1")})
 
 
 if __name__ == "__main__":
