@@ -12,7 +12,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from hora._util.log import get_logger
 from hora.errors import HoraInternalError, HoraTimeoutError
+
+log = get_logger(__name__)
 
 BLOCKED_AFTER_S = 0.25
 """A wait this long makes the waiting rank count as blocked in the op (deadlock detection)."""
@@ -149,29 +152,53 @@ class Handle:
             if not self._done:
                 (self._early if early else self._callbacks).append(fn)
                 return
-        fn(self)
+        try:
+            fn(self)
+        except Exception:
+            _raised(self)
 
     def _finish(self, value: Any, error: BaseException | None = None) -> None:
+        """Complete once. Whatever a callback raises is logged and goes no further: the handle
+        is done and every waiter wakes regardless, every other callback still runs, and the
+        completing thread (the engine's, failing many ops at once) goes on to the next op."""
         with self._lock:
             if self._done:
                 return
             self._result, self._error = value, error
-            if self.release is not None:
-                self.release(self)
-            for fn in self._early:
-                fn(self)
-            self.report_wait = None  # (a waiter keeps its own reference to report the end)
-            self._done = True
-            self._gate.release()
+            try:
+                if self.release is not None:
+                    try:
+                        self.release(self)
+                    except Exception:
+                        _raised(self)
+                for fn in self._early:
+                    try:
+                        fn(self)
+                    except Exception:
+                        _raised(self)
+            finally:
+                self.report_wait = None  # (a waiter keeps its own reference to report the end)
+                self._done = True
+                self._gate.release()
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
-            fn(self)
+            try:
+                fn(self)
+            except Exception:
+                _raised(self)
 
     set_result = _finish
     """Complete with a result (``set_result(value)``)."""
 
     def set_error(self, error: BaseException) -> None:
         self._finish(None, error)
+
+
+def _raised(handle: Handle) -> None:
+    """Log the exception a done-callback of ``handle`` raised, which goes no further (as with
+    :class:`concurrent.futures.Future`): one failing callback must not leave the handle undone,
+    skip the other callbacks, or stop the engine failing the other ops."""
+    log.exception("a done-callback of op '%s' raised; ignored", handle.name)
 
 
 class DerivedHandle(Handle):
