@@ -47,6 +47,11 @@ MOVE_DTYPES = REDUCE_DTYPES | frozenset(np.dtype(d) for d in (jnp.uint8, jnp.int
 """Dtypes accepted by allgather, broadcast and alltoall."""
 _TABLES = {_sp.REDUCE: REDUCE_DTYPES, _sp.MOVE: MOVE_DTYPES}
 
+try:  # the jitted function's tracer type (:func:`computed`); jax's internals
+    from jax._src.interpreters import partial_eval as _pe
+except ImportError:  # another jax: no value is known to be computed (nothing aliased)
+    _pe = None  # type: ignore[assignment]
+
 HostFn = Callable[[list[np.ndarray]], list[np.ndarray]]
 
 
@@ -78,6 +83,19 @@ def check_leaf(leaf: Any, table: str, what: str) -> jax.ShapeDtypeStruct:
 def is_traced(leaves: Sequence[Any]) -> bool:
     """True when any leaf is a tracer (inside ``jit``, ``grad``, ``vmap``...)."""
     return any(map(isinstance, leaves, itertools.repeat(jax.core.Tracer)))
+
+
+def computed(leaf: Any) -> bool:
+    """True when ``leaf`` is a value the jitted function being traced computes (not one of
+    its arguments or constants): XLA can alias it to a host call's result without a copy.
+    False whenever that cannot be told (other traces, another jax's internals)."""
+    try:
+        if not isinstance(leaf, _pe.DynamicJaxprTracer):
+            return False
+        var, frame = leaf.val, leaf._trace.frame
+        return not any(var is v for v in frame.invars) and var not in frame.constvar_to_val
+    except (AttributeError, TypeError):
+        return False
 
 
 def to_host(leaf: Any) -> np.ndarray:
@@ -121,13 +139,13 @@ def eager_only(what: str, leaves: Sequence[Any]) -> None:
 
 def _callback(fn: Callable[..., list[np.ndarray]], specs: Sequence[jax.ShapeDtypeStruct],
               xs: Sequence[Any], pieces: Sequence[tuple[int, int]] | None = None,
-              inplace: bool = False, into: bool = False) -> list[Any]:
+              aliases: dict[int, int | None] | None = None, into: bool = False) -> list[Any]:
     """``fn`` as one host call of the traced program: :mod:`hora.jax.host_call` (an FFI custom
-    call, CPU) or ``jax.pure_callback``; ``pieces``, ``inplace`` (FFI only) and ``into`` as in
+    call, CPU) or ``jax.pure_callback``; ``pieces``, ``aliases`` (FFI only) and ``into`` as in
     :func:`hora.jax.host_call.call` (through ``pure_callback``, an ``into`` function gets
     ``None`` for its outputs and makes its own)."""
     if host_call.available():
-        return host_call.call(fn, specs, xs, pieces, inplace, into)
+        return host_call.call(fn, specs, xs, pieces, into=into, aliases=aliases)
 
     def host(*arrays: np.ndarray) -> list[np.ndarray]:
         ins = [np.asarray(a) for a in arrays]
@@ -172,7 +190,7 @@ def apply(what: str, leaves: Sequence[Any], forward: HostFn,
           grad_specs: Sequence[jax.ShapeDtypeStruct] | None = None,
           cotangents: Callable[[list[Any]], list[Any]] | None = None,
           pieces: Sequence[tuple[int, int]] | None = None,
-          inplace: bool = False,
+          aliases: dict[int, int | None] | None = None,
           into: Callable[..., list[np.ndarray]] | None = None) -> list[Any]:
     """Run ``forward`` on ``leaves``: eagerly, or as a host call when traced, differentiable
     through ``backward`` (cotangents of the outputs -> cotangents of the inputs, shaped like
@@ -180,12 +198,12 @@ def apply(what: str, leaves: Sequence[Any], forward: HostFn,
     ``cotangents`` (traced) maps the outputs' cotangents to ``backward``'s operands (e.g. packs
     them into the inputs' buffers); by default they are its operands. With ``pieces`` (traced
     only) ``forward`` returns buffers and output ``k`` is cut out of them at
-    ``pieces[k] = (buffer, byte offset)``; with ``inplace`` too, the FFI host call hands
-    ``forward`` writable buffers it may reduce in place (see :func:`hora.jax.host_call.call`;
-    only when :func:`hora.jax.host_call.available`). ``into`` (traced only): ``forward``'s
-    form that writes its results into the host call's result buffers,
-    ``into(arrays, outputs)`` (``outputs`` None where the host call has none to lend), used
-    instead of ``forward`` when given."""
+    ``pieces[k] = (buffer, byte offset)``; with ``aliases`` too, the FFI host call hands
+    ``forward`` the aliased operands as writable buffers it may reduce in place (see
+    :func:`hora.jax.host_call.call`; only when :func:`hora.jax.host_call.available`).
+    ``into`` (traced only): ``forward``'s form that writes its results into the host call's
+    result buffers, ``into(arrays, outputs)`` (``outputs`` None where the host call has none
+    to lend), used instead of ``forward`` when given."""
     if not is_traced(leaves):
         return [to_jax(o) for o in forward([to_host(x) for x in leaves])]
     fwd_fn: Callable[..., list[np.ndarray]]
@@ -198,12 +216,12 @@ def apply(what: str, leaves: Sequence[Any], forward: HostFn,
         jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
     floating = all(jnp.issubdtype(x.dtype, jnp.inexact) for x in xs)
     if backward is None or not floating:
-        return _callback(fwd_fn, out_specs, xs, pieces, inplace, into is not None)
+        return _callback(fwd_fn, out_specs, xs, pieces, aliases, into is not None)
     bwd_fn = _checked(backward, in_specs, f"{what} (gradient)")
 
     @jax.custom_vjp
     def op(*inputs: Any) -> list[Any]:
-        return _callback(fwd_fn, out_specs, inputs, pieces, inplace, into is not None)
+        return _callback(fwd_fn, out_specs, inputs, pieces, aliases, into is not None)
 
     def op_fwd(*inputs: Any) -> tuple[list[Any], None]:
         return op(*inputs), None
@@ -216,5 +234,5 @@ def apply(what: str, leaves: Sequence[Any], forward: HostFn,
     return out
 
 
-__all__ = ["HOST", "MOVE_DTYPES", "REDUCE_DTYPES", "apply", "check_leaf", "eager_only",
+__all__ = ["HOST", "MOVE_DTYPES", "REDUCE_DTYPES", "apply", "check_leaf", "computed", "eager_only",
            "is_traced", "to_host", "to_jax"]

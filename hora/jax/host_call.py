@@ -105,10 +105,12 @@ class _Call:
 
     def __init__(self, fn: HostFn, ins: Sequence[jax.ShapeDtypeStruct],
                  outs: Sequence[jax.ShapeDtypeStruct],
-                 pieces: Sequence[tuple[int, int]] | None, inplace: bool = False,
+                 pieces: Sequence[tuple[int, int]] | None, aliases: dict[int, int] | None = None,
                  into: bool = False) -> None:
         self.fn = fn
-        self.inplace = inplace
+        self.aliases = [(aliases or {}).get(k) for k in range(len(ins))]
+        """Per operand: the index of the result XLA aliased to it (its writable view is
+        handed over instead of the operand), or None."""
         self.into = into
         self.ins = [(tuple(s.shape), np.dtype(s.dtype)) for s in ins]
         self.outs = [(tuple(s.shape), np.dtype(s.dtype)) for s in outs]
@@ -139,16 +141,17 @@ class _View:
 
 
 def _operands(frame: _CallFrame, call: _Call) -> list[np.ndarray]:
-    """Read-only views of the operands; with ``inplace``, writable views of the results that
-    XLA aliased to them (they hold the operands' values)."""
+    """Read-only views of the operands; for an aliased operand, a writable view of the result
+    XLA aliased to it (it holds the operand's values)."""
     views = []
-    args, first = (frame.rets.items, len(call.outs)) if call.inplace else (frame.args.items, 0)
-    for k, (shape, dtype) in enumerate(call.ins):
-        address = _P.from_address(args[first + k] + _DATA_OFFSET).value
+    args, rets, pointer = frame.args.items, frame.rets.items, _P.from_address
+    for (shape, dtype), alias, arg in zip(call.ins, call.aliases, args):
+        buffer = arg if alias is None else rets[alias]
+        address = pointer(buffer + _DATA_OFFSET).value
         if not address:  # zero-size operand
             views.append(np.empty(shape, dtype))
         else:
-            views.append(np.asarray(_View(address, shape, dtype, call.inplace)).view(dtype))
+            views.append(np.asarray(_View(address, shape, dtype, alias is not None)).view(dtype))
     return views
 
 
@@ -282,31 +285,44 @@ def available() -> bool:
 
 def call(fn: HostFn, out_specs: Sequence[jax.ShapeDtypeStruct], operands: Sequence[Any],
          pieces: Sequence[tuple[int, int]] | None = None, inplace: bool = False,
-         into: bool = False) -> list[Any]:
+         into: bool = False, aliases: dict[int, int | None] | None = None) -> list[Any]:
     """``fn`` (host arrays -> host arrays shaped like ``out_specs``) on the traced
     ``operands``, as one custom call of the jitted program (under ``vmap``: once per
     element). With ``pieces``, ``fn`` returns buffers instead and result ``k`` is
     ``out_specs[k]``'s bytes at byte offset ``pieces[k][1]`` of buffer ``pieces[k][0]``
-    (a pytree cut out of packed buffers without a view per leaf). With ``inplace`` (and
-    ``pieces``), ``fn`` gets writable buffers holding the operands' values (each operand is
-    aliased to an extra result of the call, which XLA copies first only if the operand is
-    needed elsewhere: a packed buffer made for the call is not) and may return them, changed
-    in place. With ``into``, ``fn(operands, outputs)`` also gets writable views of XLA's
+    (a pytree cut out of packed buffers without a view per leaf). ``aliases`` (with
+    ``pieces``) maps operand ``k`` to the result XLA aliases to it: ``out_specs``' index
+    ``j`` (same shape and dtype) or None (an extra result of the call, not returned);
+    ``inplace`` aliases every operand to an extra result. ``fn`` then gets a writable buffer
+    holding an aliased operand's values and may return it, changed in place (XLA copies the
+    operand first only if it is needed elsewhere, or is an argument of the jitted function
+    that was not donated: a packed buffer made for the call, or a gradient computed in the
+    step, is not). With ``into``, ``fn(operands, outputs)`` also gets writable views of XLA's
     result buffers (shaped like ``out_specs``) and may write its results there and return
     them (or, with ``pieces``, return buffers that are those views): such bytes are not
     copied again. ``fn`` is kept for the life of the process (compiled programs may call
     it)."""
-    if inplace and pieces is None:
-        raise ValueError("hora.jax host call: inplace needs pieces")
-    ins = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in operands]
-    key = next(_KEYS)
-    _CALLS[key] = _Call(fn, ins, out_specs, pieces, inplace, into)
-    results, aliases = list(out_specs), {}
     if inplace:
-        aliases = {k: len(results) + k for k in range(len(ins))}
-        results += ins
+        aliases = dict.fromkeys(range(len(operands)))
+    if aliases and pieces is None:
+        raise ValueError("hora.jax host call: aliased operands need pieces")
+    ins = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in operands]
+    results = list(out_specs)
+    resolved: dict[int, int] = {}
+    for k, j in sorted((aliases or {}).items()):
+        if j is None:
+            resolved[k] = len(results)
+            results.append(ins[k])
+        else:
+            if (tuple(ins[k].shape), np.dtype(ins[k].dtype)) != \
+                    (tuple(results[j].shape), np.dtype(results[j].dtype)):
+                raise ValueError(f"hora.jax host call: operand {k} ({ins[k]}) cannot alias "
+                                 f"result {j} ({results[j]})")
+            resolved[k] = j
+    key = next(_KEYS)
+    _CALLS[key] = _Call(fn, ins, out_specs, pieces, resolved, into)
     outs = jax.ffi.ffi_call(TARGET, results, vmap_method="sequential",
-                            input_output_aliases=aliases)(*operands, key=np.int64(key))
+                            input_output_aliases=resolved)(*operands, key=np.int64(key))
     return list(outs)[:len(out_specs)]
 
 

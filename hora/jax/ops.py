@@ -42,7 +42,7 @@ from hora.core.op.handle import Handle
 from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.jax import host_call
 from hora.jax import packed as _packed
-from hora.jax.bridge import HOST, apply, check_leaf, is_traced
+from hora.jax.bridge import HOST, apply, check_leaf, computed, is_traced
 from hora.jax.compression import Compression, Compressor
 from hora.jax.tree import Flat, diagnose, flatten
 
@@ -128,10 +128,11 @@ def _allreduce_packed(kind: str, flat: Flat, leaves: list[Any], full: str | None
     leaf as its own result (differentiable: the backward pass concatenates the cotangents and
     allreduces them); eagerly, the tree shape's cached plan packs with one jitted call and
     unpacks with another. When every buffer is a concatenation (hora's own memory), the core
-    reduces it in place (traced: through the FFI host call's aliased results); otherwise, traced,
-    each lone leaf's op writes its result straight into XLA's result buffer of that leaf (the
-    host call's ``into`` mode). The op name carries the leaves' shapes, so trees that differ
-    only in shapes do not pair."""
+    reduces it in place (traced: every concatenation, through the FFI host call's aliased
+    results); traced, a lone leaf the jitted function computes is reduced in place too (aliased
+    to its own result), and a lone leaf that is an argument is written straight into XLA's
+    result buffer of that leaf (the host call's ``into`` mode). The op name carries the
+    leaves' shapes, so trees that differ only in shapes do not pair."""
     plan = _packed.plan(leaves, _sp.REDUCE, kind, lambda: Flat(leaves, flat.treedef).paths())
     name = f"{full}.{_packing.layout_tag(plan.layout)}"
     args = (op, pre, post, process_set)
@@ -151,34 +152,49 @@ def _allreduce_packed(kind: str, flat: Flat, leaves: list[Any], full: str | None
         # every buffer hora's own packed copy: reduce it in place (no copy, no new buffer)
         inplace = plan.owned and all(b.flags.writeable for b in buffers)
         return plan.leaves(reduce(inplace)(buffers))
-    # every buffer a concatenation made for the call: the FFI host call hands them over
-    # writable (a lone leaf stays read-only: if it is an argument of the jitted function, XLA
-    # would copy it first, slower than the core's copy)
-    inplace = plan.owned and host_call.available()
-    guard = reduce(inplace)
-    gname = _grad_name(name, True)
-    lone = {k: idx[0] for k, idx in enumerate(plan.layout.groups) if k not in plan.packed}
+    if not host_call.available():  # jax.pure_callback: read-only operands, results copied
+        return apply(kind, plan.operands(leaves), reduce(False), plan.specs,
+                     _backward(name, args), plan.operand_specs, plan.operands,
+                     plan.pieces)
+    # The FFI host call. A packed group's concatenation is made for the call: aliased to an
+    # extra result, the core reduces it in place. A lone (large) leaf the jitted function
+    # computes (a gradient) is aliased to its own result: reduced in place, no copy and no
+    # fresh result pages; one that is an argument (XLA would copy it first) is reduced
+    # straight into its result buffer (``into``). Every non-aliased result is copied out of
+    # the buffers by the host call (the packed groups' leaves), or already there.
+    aliases: dict[int, int | None] = dict.fromkeys(plan.concatenated)
+    aliases.update((k, i) for k, i in plan.lone.items() if computed(leaves[i]))
+    lone = plan.lone
 
     def into(a: list[np.ndarray], outs: list[np.ndarray] | None) -> list[np.ndarray]:
-        # a lone leaf's result is written by the core straight into XLA's result buffer of
-        # that leaf (the host call then copies only the packed groups' leaves)
-        outputs = [outs[lone[k]].reshape(-1) if outs is not None and k in lone else None
-                   for k in range(len(a))]
+        outputs = [a[k] if k in aliases else outs[lone[k]] if outs is not None and k in lone
+                   else None for k in range(len(a))]
+        if single:
+            return [_api.allreduce_async(
+                a[0], name=name, op=op, prescale_factor=pre, postscale_factor=post,
+                process_set=process_set, output=outputs[0], sync=True).wait()]
         handle = _grouped.grouped_allreduce_async(
             a, name=name, op=op, prescale_factor=pre, postscale_factor=post,
             process_set=process_set, sync=True, outputs=outputs)
         out: list[np.ndarray] = handle.wait()
         return out
 
+    return apply(kind, plan.operands(leaves), reduce(False), plan.specs,
+                 _backward(name, args), plan.operand_specs, plan.operands, plan.pieces,
+                 aliases, _guard(kind, flat, plan.specs, True, process_set, into))
+
+
+def _backward(name: str,
+              args: tuple[ReduceOp, float, float, ProcessSet]) -> Any:
+    """The gradient of a packed tree's allreduce: the cotangents packed as the operands were,
+    allreduced (one op)."""
+    gname = _grad_name(name, True)
+
     def backward(g: list[np.ndarray]) -> list[np.ndarray]:
-        if single:
+        if len(g) == 1:
             return [_grads.allreduce(HOST, g[0], *args, name=gname)]
         return _grads.grouped_allreduce(HOST, g, *args, name=gname)
-
-    guarded_into = (_guard(kind, flat, plan.specs, True, process_set, into)
-                    if lone and not single and not inplace else None)
-    return apply(kind, plan.buffers(leaves), guard, plan.specs, backward, plan.buffer_specs,
-                 plan.buffers, plan.pieces, inplace, guarded_into)
+    return backward
 
 
 def _compressed(compression: type[Compressor], leaves: list[Any],

@@ -14,12 +14,15 @@ shapes and dtypes: the dtype checks, the layout and the functions below are made
   array (one dispatch, ~1 µs a leaf, nothing per leaf to compile: a jitted split compiles for
   ~1 s at 100 leaves); large leaves go to the core as views and come back as one array each,
   as a single array would;
-* traced (inside ``jit``), XLA concatenates the leaves and one host call (one operand per
-  buffer) reduces the buffers and copies every leaf out as its own result (``pieces``). With
-  the FFI host call, when every buffer is a concatenation, each is also aliased to an extra
-  result, so the core reduces it in place (~20 % less time for the call in one process; a
-  large leaf's buffer is not aliased: if it is an argument of the jitted function XLA would
-  copy it first, measured slower than the core's own copy).
+* traced (inside ``jit``), XLA concatenates the small leaves and one host call (one operand
+  per packed group, and each large leaf as it is) reduces them and copies every packed leaf
+  out as its own result (``pieces``). With the FFI host call each concatenation is also
+  aliased to an extra result, so the core reduces it in place (~20 % less time for the call
+  in one process), and a large leaf that the jitted function computes (a gradient) is aliased
+  to its own result: reduced in place, no copy and no fresh result pages (the optax step of
+  benchmarks/step_overhead.py: the host call 2.5 -> 1.2-1.4 ms). A large leaf that is an
+  argument of the jitted function is not aliased (XLA would copy it first, measured slower
+  than the core's own copy): the core writes its result straight into XLA's result buffer.
   Cutting in XLA instead costs a kernel per leaf (compiled: ~1 s more to compile a 100-leaf
   tree; a slice does not fuse into every consumer), and its gradient pads every piece to the
   whole buffer; here the backward pass concatenates the cotangents and reduces them in one
@@ -68,12 +71,22 @@ class Plan:
         packed_index = {k: n for n, k in enumerate(self.packed)}
         self._packed_pieces = [(packed_index[where[i][0]], where[i][1])
                                for i in self._packed_leaves]
-        self.owned = len(self.packed) == len(self.layout.groups) and all(
-            sum(1 for a, b in zip(starts, starts[1:]) if b > a) > 1
-            for starts in self.layout.offsets)
-        """Every buffer is a packed group of two or more non-empty leaves (a concatenation XLA
-        cannot fold into one of the leaves): :meth:`host_buffers` are private and writable,
-        so the op may reduce them in place."""
+        self.concatenated = tuple(
+            k for k in self.packed
+            if sum(1 for a, b in zip(self.layout.offsets[k], self.layout.offsets[k][1:])
+                   if b > a) > 1)
+        """The packed groups of two or more non-empty leaves: a concatenation XLA cannot fold
+        into one of the leaves, so its buffer is the call's own (aliased to a result, XLA
+        copies nothing)."""
+        self.owned = len(self.concatenated) == len(self.layout.groups)
+        """Every buffer is such a concatenation: :meth:`host_buffers` are private and
+        writable, so the op may reduce them in place."""
+        self.lone = {k: idx[0] for k, idx in enumerate(self.layout.groups)
+                     if k not in self.packed}
+        """Buffer -> its one (large) leaf, for the groups that are not packed."""
+        self.operand_specs = [specs[self.lone[k]] if k in self.lone else b
+                              for k, b in enumerate(self.buffer_specs)]
+        """The traced host call's operands: :meth:`operands`' shapes and dtypes."""
         self._lock = threading.Lock()
         self._result: list[np.ndarray] = []
         self._pack = jax.jit(self.concatenate)
@@ -91,6 +104,13 @@ class Plan:
         packed = iter(self.concatenate(leaves))
         return [next(packed) if k in self.packed else jnp.ravel(leaves[idx[0]])
                 for k, idx in enumerate(self.layout.groups)]
+
+    def operands(self, leaves: Sequence[Any]) -> list[Any]:
+        """The traced host call's operands: packed groups concatenated, each lone leaf as it
+        is (its own shape: it may be aliased to its result, which has that shape)."""
+        packed = iter(self.concatenate(leaves))
+        return [next(packed) if k in self.packed else leaves[self.lone[k]]
+                for k in range(len(self.layout.groups))]
 
     def views(self, buffers: Sequence[np.ndarray]) -> list[np.ndarray]:
         """The leaves cut out of every group's host buffer (views)."""

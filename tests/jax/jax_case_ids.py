@@ -16,6 +16,7 @@ JAX_ONLY = [
     "results-adopted", "tree-ops", "tree-async", "metrics-dict", "tree-packed",
     "pure-callback-fallback",
     "jit-ops", "jit-steady-names", "vmap", "jit-into-results",
+    "jit-inplace-computed",
     "grad-allreduce", "grad-allreduce-tree", "grad-allgather", "grad-broadcast",
     "grad-reducescatter", "grad-alltoall", "grad-eager-equals-jit", "optimizer-identical",
     "optimizer-passes-fp16", "broadcast-state", "mismatch-tree-structure",

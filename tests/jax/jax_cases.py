@@ -248,6 +248,42 @@ def jit_into_results(hvd: Any) -> None:
     _eq(grad(tree)["big"], 2 * want_big / n, "gradient of a tree with a lone leaf")
 
 
+def jit_inplace_computed(hvd: Any) -> None:
+    """Inside jit a lone (large) leaf the function computes is aliased to its own result and
+    reduced in place; an argument leaf is not (XLA would copy it first): the program's
+    aliasing, the values, the computed leaf used after the op (XLA copies it then), under
+    vmap, and differentiated."""
+    r, n = hvd.rank(), hvd.size()
+    x = jnp.asarray(_x(r, (300, 128)))
+    want = sum(_x(q, (300, 128)) * 3 for q in range(n))
+
+    def reduce(a: Any, name: str) -> Any:
+        return hvd.allreduce({"big": a * 3, "arg": a, "small": a[0, :3], "small2": a[1, :2]},
+                             op=hvd.Sum, name=name)
+    f = jax.jit(lambda a: reduce(a, "inplace.tree"))
+    text = f.lower(x).compile().as_text()
+    call = next(line for line in text.splitlines() if "hora_host_call" in line
+                and "custom-call(" in line)
+    aliasing = set(re.findall(r"\{(\d+)\}: \((\d+),", call))  # (result, operand)
+    # operands: the packed smalls' concatenation, then "arg" and "big" (the leaves' order);
+    # results: the leaves in order (arg, big, small, small2), then the concatenation's
+    assert aliasing == {("1", "2"), ("4", "0")}, call
+    for _ in range(2):  # twice: XLA may hand the second call other result buffers
+        got = f(x)
+        _eq(got, {"big": want, "arg": want / 3, "small": want[0, :3] / 3,
+                  "small2": want[1, :2] / 3},
+            "tree with a computed lone leaf (jit, in place)")
+    kept = jax.jit(lambda a: (reduce(a, "inplace.kept"), (a * 3) + 0))
+    got, same = kept(x)
+    _eq([got["big"], same], [want, _x(r, (300, 128)) * 3],
+        "a computed lone leaf used after the op keeps its value (jit)")
+    batched = jax.jit(jax.vmap(lambda a: reduce(a, "inplace.vmap")["big"]))(
+        jnp.stack([x, x * 2]))
+    _eq(batched, np.stack([want, 2 * want]), "a computed lone leaf (jit, vmap)")
+    grad = jax.jit(jax.grad(lambda a: jnp.sum(reduce(a, "inplace.grad")["big"] ** 2)))
+    _eq(grad(x), 2 * 3 * n * want, "gradient through a computed lone leaf")
+
+
 def _weights(rank: int, shape: tuple[int, ...]) -> np.ndarray:
     return _x(rank, shape, 7) * (rank + 1)
 
@@ -464,7 +500,7 @@ CASES = {
     "tree-packed": tree_packed, "pure-callback-fallback": pure_callback_fallback,
     "jit-ops": jit_ops, "jit-steady-names": jit_steady_names,
     "vmap": vmap_case,
-    "jit-into-results": jit_into_results,
+    "jit-into-results": jit_into_results, "jit-inplace-computed": jit_inplace_computed,
     "grad-allreduce": grad_allreduce, "grad-allreduce-tree": grad_allreduce_tree,
     "grad-allgather": grad_allgather, "grad-broadcast": grad_broadcast,
     "grad-reducescatter": grad_reducescatter, "grad-alltoall": grad_alltoall,
