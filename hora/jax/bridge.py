@@ -139,7 +139,8 @@ def eager_only(what: str, leaves: Sequence[Any]) -> None:
 
 def _callback(fn: Callable[..., list[np.ndarray]], specs: Sequence[jax.ShapeDtypeStruct],
               xs: Sequence[Any], pieces: Sequence[tuple[int, int]] | None = None,
-              aliases: dict[int, int | None] | None = None, into: bool = False) -> list[Any]:
+              aliases: dict[int, int | None] | None = None,
+              into: bool | Sequence[int] = False) -> list[Any]:
     """``fn`` as one host call of the traced program: :mod:`hora.jax.host_call` (an FFI custom
     call, CPU) or ``jax.pure_callback``; ``pieces``, ``aliases`` (FFI only) and ``into`` as in
     :func:`hora.jax.host_call.call` (through ``pure_callback``, an ``into`` function gets
@@ -149,7 +150,7 @@ def _callback(fn: Callable[..., list[np.ndarray]], specs: Sequence[jax.ShapeDtyp
 
     def host(*arrays: np.ndarray) -> list[np.ndarray]:
         ins = [np.asarray(a) for a in arrays]
-        outs = fn(ins, None) if into else fn(ins)
+        outs = fn(ins, None) if into is not False else fn(ins)
         if pieces is not None:
             outs = _cut(outs, pieces, specs)
         return [np.asarray(o, dtype=s.dtype).reshape(s.shape) if o.shape != s.shape or
@@ -191,7 +192,8 @@ def apply(what: str, leaves: Sequence[Any], forward: HostFn,
           cotangents: Callable[[list[Any]], list[Any]] | None = None,
           pieces: Sequence[tuple[int, int]] | None = None,
           aliases: dict[int, int | None] | None = None,
-          into: Callable[..., list[np.ndarray]] | None = None) -> list[Any]:
+          into: Callable[..., list[np.ndarray]] | None = None,
+          views: Sequence[int] | None = None) -> list[Any]:
     """Run ``forward`` on ``leaves``: eagerly, or as a host call when traced, differentiable
     through ``backward`` (cotangents of the outputs -> cotangents of the inputs, shaped like
     ``grad_specs``, the inputs' shapes by default) when every leaf is floating point.
@@ -203,7 +205,8 @@ def apply(what: str, leaves: Sequence[Any], forward: HostFn,
     :func:`hora.jax.host_call.call`; only when :func:`hora.jax.host_call.available`).
     ``into`` (traced only): ``forward``'s form that writes its results into the host call's
     result buffers, ``into(arrays, outputs)`` (``outputs`` None where the host call has none
-    to lend), used instead of ``forward`` when given."""
+    to lend), used instead of ``forward`` when given; ``views``: the results it gets views of
+    (default all)."""
     if not is_traced(leaves):
         return [to_jax(o) for o in forward([to_host(x) for x in leaves])]
     fwd_fn: Callable[..., list[np.ndarray]]
@@ -212,16 +215,18 @@ def apply(what: str, leaves: Sequence[Any], forward: HostFn,
     else:
         fwd_fn = forward if pieces is not None else _checked(forward, out_specs, what)
     xs = [jnp.asarray(x) for x in leaves]
+    wanted: bool | Sequence[int] = (into is not None) if views is None or into is None \
+        else views
     in_specs = list(grad_specs) if grad_specs is not None else [
         jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
     floating = all(jnp.issubdtype(x.dtype, jnp.inexact) for x in xs)
     if backward is None or not floating:
-        return _callback(fwd_fn, out_specs, xs, pieces, aliases, into is not None)
+        return _callback(fwd_fn, out_specs, xs, pieces, aliases, wanted)
     bwd_fn = _checked(backward, in_specs, f"{what} (gradient)")
 
     @jax.custom_vjp
     def op(*inputs: Any) -> list[Any]:
-        return _callback(fwd_fn, out_specs, inputs, pieces, aliases, into is not None)
+        return _callback(fwd_fn, out_specs, inputs, pieces, aliases, wanted)
 
     def op_fwd(*inputs: Any) -> tuple[list[Any], None]:
         return op(*inputs), None

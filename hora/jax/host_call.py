@@ -106,12 +106,15 @@ class _Call:
     def __init__(self, fn: HostFn, ins: Sequence[jax.ShapeDtypeStruct],
                  outs: Sequence[jax.ShapeDtypeStruct],
                  pieces: Sequence[tuple[int, int]] | None, aliases: dict[int, int] | None = None,
-                 into: bool = False) -> None:
+                 into: bool | Sequence[int] = False) -> None:
         self.fn = fn
         self.aliases = [(aliases or {}).get(k) for k in range(len(ins))]
         """Per operand: the index of the result XLA aliased to it (its writable view is
         handed over instead of the operand), or None."""
-        self.into = into
+        self.into = into is not False  # (a list, even empty: the two-argument form)
+        self.views = (list(range(len(outs))) if into is True
+                      else sorted(set(into)) if into else [])
+        """The results an ``into`` function gets views of (the others: None)."""
         self.ins = [(tuple(s.shape), np.dtype(s.dtype)) for s in ins]
         self.outs = [(tuple(s.shape), np.dtype(s.dtype)) for s in outs]
         self.nbytes = [int(np.prod(shape)) * dt.itemsize for shape, dt in self.outs]
@@ -155,14 +158,16 @@ def _operands(frame: _CallFrame, call: _Call) -> list[np.ndarray]:
     return views
 
 
-def _outputs(frame: _CallFrame, call: _Call) -> list[np.ndarray]:
-    """Writable views of XLA's result buffers (the first ``len(call.outs)``), for ``into``."""
-    views = []
+def _outputs(frame: _CallFrame, call: _Call) -> list[np.ndarray | None]:
+    """Writable views of XLA's result buffers ``call.views`` (None for the others), for
+    ``into``."""
+    views: list[np.ndarray | None] = [None] * len(call.outs)
     rets = frame.rets.items
-    for k, (shape, dtype) in enumerate(call.outs):
+    for k in call.views:
+        shape, dtype = call.outs[k]
         address = _P.from_address(rets[k] + _DATA_OFFSET).value
-        views.append(np.asarray(_View(address, shape, dtype, True)).view(dtype)
-                     if address else np.empty(shape, dtype))
+        views[k] = (np.asarray(_View(address, shape, dtype, True)).view(dtype)
+                    if address else np.empty(shape, dtype))
     return views
 
 
@@ -285,7 +290,8 @@ def available() -> bool:
 
 def call(fn: HostFn, out_specs: Sequence[jax.ShapeDtypeStruct], operands: Sequence[Any],
          pieces: Sequence[tuple[int, int]] | None = None, inplace: bool = False,
-         into: bool = False, aliases: dict[int, int | None] | None = None) -> list[Any]:
+         into: bool | Sequence[int] = False,
+         aliases: dict[int, int | None] | None = None) -> list[Any]:
     """``fn`` (host arrays -> host arrays shaped like ``out_specs``) on the traced
     ``operands``, as one custom call of the jitted program (under ``vmap``: once per
     element). With ``pieces``, ``fn`` returns buffers instead and result ``k`` is
@@ -298,9 +304,10 @@ def call(fn: HostFn, out_specs: Sequence[jax.ShapeDtypeStruct], operands: Sequen
     operand first only if it is needed elsewhere, or is an argument of the jitted function
     that was not donated: a packed buffer made for the call, or a gradient computed in the
     step, is not). With ``into``, ``fn(operands, outputs)`` also gets writable views of XLA's
-    result buffers (shaped like ``out_specs``) and may write its results there and return
-    them (or, with ``pieces``, return buffers that are those views): such bytes are not
-    copied again. ``fn`` is kept for the life of the process (compiled programs may call
+    result buffers (shaped like ``out_specs``; ``into`` a list of result indices: of those
+    only, None for the others, since a view costs ~2 µs) and may write its results there and
+    return them (or, with ``pieces``, return buffers that are those views): such bytes are
+    not copied again. ``fn`` is kept for the life of the process (compiled programs may call
     it)."""
     if inplace:
         aliases = dict.fromkeys(range(len(operands)))

@@ -168,7 +168,7 @@ def _allreduce_packed(kind: str, flat: Flat, leaves: list[Any], full: str | None
 
     def into(a: list[np.ndarray], outs: list[np.ndarray] | None) -> list[np.ndarray]:
         outputs = [a[k] if k in aliases else outs[lone[k]] if outs is not None and k in lone
-                   else None for k in range(len(a))]
+                   else None for k in range(len(a))]  # (outs: views of those lone leaves)
         if single:
             return [_api.allreduce_async(
                 a[0], name=name, op=op, prescale_factor=pre, postscale_factor=post,
@@ -181,7 +181,8 @@ def _allreduce_packed(kind: str, flat: Flat, leaves: list[Any], full: str | None
 
     return apply(kind, plan.operands(leaves), reduce(False), plan.specs,
                  _backward(name, args), plan.operand_specs, plan.operands, plan.pieces,
-                 aliases, _guard(kind, flat, plan.specs, True, process_set, into))
+                 aliases, _guard(kind, flat, plan.specs, True, process_set, into),
+                 [i for k, i in lone.items() if k not in aliases])
 
 
 def _backward(name: str,
