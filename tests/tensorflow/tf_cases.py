@@ -187,15 +187,24 @@ def _tape(graph: bool) -> Case:
 
 
 def _tape_results(hvd: Any) -> None:
-    """Gradients reduced inside ``tf.function`` come back in the reducer's pooled arrays, which
-    TensorFlow adopted without a copy (and which are reused once the caller dropped them), and
-    results the caller keeps stay intact while later steps run."""
+    """Inside ``tf.function`` gradients are reduced in place, in the buffers TensorFlow hands
+    over, and come back without a copy; a gradient whose buffer something else holds (a
+    variable's value, a folded constant, a tensor the function returns or reads again, one
+    tensor twice) is copied first, so nothing but the result changes. Results the caller
+    keeps stay intact while later steps run. Eagerly the results go to pooled arrays."""
     from hora.tensorflow.gradients import GradientReducer
 
     r, n = hvd.rank(), hvd.size()
     w = tf.Variable(tf.zeros(4096))
     reducer = GradientReducer("results", hvd.Compression.none, False, hvd.Average, 1.0, None,
                               hvd.global_process_set, True)
+    inputs: list[int] = []  # where the host call's input arrays live
+    singles = reducer._singles
+
+    def recorded(arrays: Any, names: list[str]) -> Any:
+        inputs.extend(a.ctypes.data for a in arrays)
+        return singles(arrays, names)
+    reducer._singles = recorded  # type: ignore[method-assign]
 
     @tf.function
     def step(scale: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
@@ -209,19 +218,54 @@ def _tape_results(hvd: Any) -> None:
         return tf.fill([4096], float((r + 1) * k))
 
     mean = np.mean([q + 1.0 for q in range(n)])
-    kept = [step(scale(k))[0] for k in range(1, 8)]  # more than the pool keeps per name
+    kept = [step(scale(k))[0] for k in range(1, 8)]
     for k, g in enumerate(kept, 1):
         _eq(g, np.full(4096, mean * k), f"kept result of call {k}")
     del kept
-    addresses = []
-    for k in range(1, 7):
+    inputs.clear()
+    for k in range(1, 4):
         g, address = step(scale(k))
-        _eq(g, np.full(4096, mean * k), f"dropped result of call {k}")
-        addresses.append(int(address))
-        del g
-    pooled = {a.ctypes.data for a in reducer.outputs.arrays()}
-    assert set(addresses) <= pooled, f"results {addresses} are copies, not the pool's {pooled}"
-    assert len(set(addresses)) < len(addresses), f"results not reused: {addresses}"
+        _eq(g, np.full(4096, mean * k), f"result of call {k}")
+        assert int(address) == inputs[-1], f"result {int(address)} is a copy of {inputs[-1]}"
+    assert not reducer.outputs.arrays(), "in-place results used the output pool"
+
+    # buffers held elsewhere: Sum, so that a result written into a held buffer would grow
+    # call after call
+    total = GradientReducer("held", hvd.Compression.none, False, hvd.Sum, 1.0, None,
+                            hvd.global_process_set, True)
+    v = tf.Variable(tf.fill([8], r + 1.0))
+    c = tf.Variable(tf.zeros([8]))
+    vs = [tf.Variable(tf.zeros([8])) for _ in range(5)]
+
+    @tf.function
+    def held() -> Any:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(c * (r + 1.0))  # its gradient is a constant, folded
+        const = tape.gradient(loss, c)
+        shared = tf.ones([8]) * v  # also returned, and read again below
+        out = total([v.read_value(), const, shared, shared, tf.zeros([8]) + 0.0 * shared],
+                    vs)
+        return out, shared, tf.reduce_sum(shared)
+
+    want = sum(q + 1.0 for q in range(n))
+    for call in range(3):
+        out, shared, summed = held()
+        for i in range(4):
+            _eq(out[i], np.full(8, want), f"held buffer {i}, call {call}")
+        _eq(out[4], np.zeros(8), f"zeros, call {call}")
+        _eq(shared, np.full(8, r + 1.0), f"returned input, call {call}")
+        _eq(summed, np.array(8 * (r + 1.0)), f"input read again, call {call}")
+        _eq(v, np.full(8, r + 1.0), f"variable whose value was reduced, call {call}")
+
+    # eagerly: the caller's tensors are left alone, results in pooled arrays
+    eager = GradientReducer("eager", hvd.Compression.none, False, hvd.Average, 1.0, None,
+                            hvd.global_process_set, True)
+    x = tf.fill([256], r + 1.0)
+    kept = [eager([x * k], [w])[0] for k in range(1, 5)]
+    for k, g in enumerate(kept, 1):
+        _eq(g, np.full(256, mean * k), f"eager result {k}")
+    _eq(x, np.full(256, r + 1.0), "eager input")
+    assert eager.outputs.arrays(), "eager results not pooled"
 
 
 def _variables(hvd: Any) -> None:
