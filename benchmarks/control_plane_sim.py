@@ -172,18 +172,59 @@ def _threads(ranks: list[int], body: Any) -> list[Any]:
     return out
 
 
+class _Runs:
+    """The engine's :class:`~hora.core.engine.dispatch.Responses` as the cache sees it: what
+    would run (nothing runs a data collective here) and rank 0's ordered sending."""
+
+    def __init__(self) -> None:
+        self.ran = 0
+        self.send_ordered: Any = None
+
+    def execute(self, responses: list[Any]) -> None:
+        self.ran += 1
+
+
+def _cross_cache(proc: _Proc, transport: Any, runs: _Runs, coordinator: Any) -> Any:
+    """The engine's :class:`~hora.core.engine.cross_link.CrossCache` for one rank, built as the
+    engine builds it (its host's links included, unless ``--per-rank-marks``)."""
+    from hora import config as config_mod
+    from hora.core.engine.cross_link import CrossCache
+
+    cross = CrossCache.for_job(transport, config_mod.load({}), proc.hosts, runs, coordinator,
+                               set(), False, job_id=f"sim{proc.args.secret[:12]}",
+                               per_rank=proc.args.per_rank_marks)
+    if cross is None:
+        raise SystemExit("the response cache across hosts does not apply to this layout")
+    return cross
+
+
+def _drive(transport: Any, cross: Any, until: Any, what: str) -> None:
+    """The engine thread's receive step (``Engine._receive``: ``CrossCache.take``) until
+    ``until()``; returns the messages left for the engine are ignored but for ``until``."""
+    while not until():
+        msg = transport.recv_control(120.0)
+        if msg is None:
+            raise RuntimeError(f"rank {transport.rank}: no {what} for 120 s")
+        for item in cross.take(*msg):
+            until.seen(item)
+
+
+class _Until:
+    def __init__(self, test: Any) -> None:
+        self.test = test
+        self.kinds: list[str] = []
+
+    def __call__(self) -> bool:
+        return bool(self.test(self))
+
+    def seen(self, item: tuple[int, str, dict[str, Any]]) -> None:
+        self.kinds.append(item[1])
+
+
 def root_main(args: argparse.Namespace) -> None:
     """Rank 0: a real Coordinator, the engine thread's steps for negotiated and cached ops."""
     from hora import config as config_mod
-    from hora.core.data.fusion import fuse
     from hora.core.engine.coordinator import Coordinator
-    from hora.core.engine.cross_cache import (
-        MSG_CACHE_BITS,
-        MSG_CACHE_DECIDE,
-        CacheCoordinator,
-        SlotTable,
-        decode_bits,
-    )
     from hora.core.op.messages import MSG_REQUESTS, MSG_RESPONSES, decode, encode
     from hora.core.op.process_set import Registry
 
@@ -196,11 +237,30 @@ def root_main(args: argparse.Namespace) -> None:
     members = list(range(1, size))
     proc.store.set("sim", "res.0", json.dumps({"took": [took], "conns": [
         _counts(transport)]}).encode())
+    runs = _Runs()
+    proc.barrier("links")
+    cross = _cross_cache(proc, transport, runs, coordinator)
+    learn = cross.wrap_dispatch(lambda responses: True)  # (rank 0 learns what it sends)
 
-    table = SlotTable()
     count = dict.fromkeys(("uncached_in", "uncached_in_bytes", "uncached_out",
                            "uncached_out_bytes", "cached_in", "cached_in_bytes", "cached_out",
                            "cached_out_bytes"), 0)
+    phase = ["uncached"]
+    send, recv = transport.send_control, transport.recv_control
+
+    def counted_send(peer: int, payload: bytes) -> None:
+        count[phase[0] + "_out"] += 1
+        count[phase[0] + "_out_bytes"] += len(payload)
+        send(peer, payload)
+
+    def counted_recv(timeout: float | None) -> Any:
+        msg = recv(timeout)
+        if msg is not None:
+            count[phase[0] + "_in"] += 1
+            count[phase[0] + "_in_bytes"] += len(msg[1])
+        return msg
+
+    transport.send_control, transport.recv_control = counted_send, counted_recv
     uncached_cpu, uncached_wall = [], []
     proc.barrier("uncached")
     for _ in range(args.cycles):
@@ -212,82 +272,43 @@ def root_main(args: argparse.Namespace) -> None:
             if msg is None:
                 raise SystemExit("rank 0: no request for 60 s")
             sender, payload = msg
-            count["uncached_in"] += 1
-            count["uncached_in_bytes"] += len(payload)
             kind, body = decode(payload)
             if kind == MSG_REQUESTS:
                 for req in body["reqs"]:
                     req.rank = sender
                 coordinator.add(body["reqs"])
             ready = coordinator.ready()
-        out = encode(MSG_RESPONSES, resps=ready)  # as dispatch.Responses: encoded once
-        for peer in members:
-            transport.send_control(peer, out)
-            count["uncached_out"] += 1
-            count["uncached_out_bytes"] += len(out)
-        table.learn(ready[0])
+        learn(ready)
+        # as dispatch.Responses: encoded once, sent in its place through the hosts' leaders
+        cross.relay.send(members, encode(MSG_RESPONSES, resps=ready))
         uncached_cpu.append(time.thread_time() - c0)
         uncached_wall.append(time.perf_counter() - w0)
 
-    hosts = sorted(set(proc.hosts), key=lambda h: int(h[3:]))
-    leader_host: dict[int, int] = {}  # leader rank -> host index
-    for r, h in enumerate(proc.hosts):
-        idx = hosts.index(h)
-        if idx not in leader_host.values():
-            leader_host[r] = idx
-    if args.per_rank_marks:  # every rank its own "host": what the engine does today
-        leader_host = {r: r for r in range(size)}
-    leaders = [r for r in leader_host if r != 0]
-    cache = CacheCoordinator(len(leader_host))
-    slot = table.slot_of(0, NAME)
-    assert slot is not None
+    phase[0] = "cached"
     cached_cpu, cached_wall = [], []
     proc.barrier("cached")
     for _ in range(args.cycles):
         c0, w0 = time.thread_time(), time.perf_counter()
-        mine = table.hit(_request(0))
-        assert mine is not None
-        cache.add(0, 1 << mine)  # rank 0's own host: rank 0 alone
-        decided: list[int] = []
-        while not decided:
-            msg = transport.recv_control(60.0)
-            if msg is None:
-                raise SystemExit("rank 0: no cache bits for 60 s")
-            sender, payload = msg
-            count["cached_in"] += 1
-            count["cached_in_bytes"] += len(payload)
-            kind, body = decode(payload)
-            if kind == MSG_CACHE_BITS:
-                cache.add(leader_host[sender], decode_bits(body.get("bits")))
-            decided = cache.ready()
-        fused = fuse([table.response(s) for s in decided], 128 * 1024 * 1024)
-        message = encode(MSG_CACHE_DECIDE, groups=[[table.slot_of(0, n) for n in r.names]
-                                                   for r in fused], inval=[])
-        for peer in leaders:
-            transport.send_control(peer, message)
-            count["cached_out"] += 1
-            count["cached_out_bytes"] += len(message)
-        # (fused: what every rank runs, as hora.core.engine.cross_link decides it)
+        before = runs.ran
+        if cross.submit([_request(0)]):  # the engine's _take_submissions: a hit, marked
+            raise SystemExit("rank 0: the cached name missed")
+        _drive(transport, cross, _Until(lambda u, b=before: runs.ran > b), "cache marks")
         cached_cpu.append(time.thread_time() - c0)
         cached_wall.append(time.perf_counter() - w0)
     proc.store.set("sim", "cycles", json.dumps({
         "uncached_cpu": uncached_cpu, "uncached_wall": uncached_wall,
-        "cached_cpu": cached_cpu, "cached_wall": cached_wall, "hosts": len(hosts),
+        "cached_cpu": cached_cpu, "cached_wall": cached_wall,
+        "hosts": len(set(proc.hosts)), "cache_hosts": len(cross.layout.hosts),
+        "marks_from": len(cross.marks_from),
         "per_cycle": {k: v / args.cycles for k, v in count.items()}}).encode())
     proc.barrier("end")
     transport.close()
 
 
 def host_main(args: argparse.Namespace) -> None:
-    """One simulated host: its ranks as threads; the first of them leads the host."""
-    from hora.core.engine.cross_cache import (
-        MSG_CACHE_BITS,
-        MSG_CACHE_DECIDE,
-        HostBits,
-        SlotTable,
-        encode_bits,
-    )
-    from hora.core.op.messages import MSG_REQUESTS, MSG_RESPONSES, decode, encode
+    """One simulated host: its ranks as threads, each with the engine's CrossCache (the host's
+    leader combines its ranks' marks over the host's links and relays rank 0's messages)."""
+    from hora.core.op.messages import MSG_REQUESTS, MSG_RESPONSES, encode
 
     proc = _Proc(args)
     ranks = proc.ranks
@@ -297,68 +318,27 @@ def host_main(args: argparse.Namespace) -> None:
     proc.store.set("sim", f"res.{args.proc}", json.dumps({
         "took": [took for _, took in results],
         "conns": [_counts(t) for t, _ in results]}).encode())
-    tables = {r: SlotTable() for r in ranks}
+    runs = {r: _Runs() for r in ranks}
+    proc.barrier("links")
+    caches = dict(zip(ranks, _threads(ranks, lambda r: _cross_cache(proc, transports[r],
+                                                                     runs[r], None))))
 
     def uncached(rank: int) -> None:
-        transport = transports[rank]
+        transport, cross = transports[rank], caches[rank]
         for _ in range(args.cycles):
             transport.send_control(0, encode(MSG_REQUESTS, reqs=[_request(rank)]))
-            while True:
-                msg = transport.recv_control(120.0)
-                if msg is None:
-                    raise RuntimeError(f"rank {rank}: no response for 120 s")
-                kind, body = decode(msg[1])
-                if kind == MSG_RESPONSES:
-                    tables[rank].learn(body["resps"][0])
-                    break
+            _drive(transport, cross, _Until(lambda u: MSG_RESPONSES in u.kinds), "response")
 
     proc.barrier("uncached")
     _threads(ranks, uncached)
 
-    # Cached: the host's bits (the shared-memory board's role) and the leader's relay.
-    leader = ranks[0]
-    bits = HostBits(len(ranks))
-    cond = threading.Condition()
-    state = {"marked": 0, "decisions": 0}
-
     def cached(rank: int) -> None:
-        local = ranks.index(rank)
-        transport = transports[rank]
-        for cycle in range(args.cycles):
-            slot = tables[rank].hit(_request(rank))
-            assert slot is not None
-            if args.per_rank_marks:  # (hora.core.engine.cross_link: each rank marks at rank 0)
-                transport.send_control(0, encode(MSG_CACHE_BITS, bits=encode_bits(1 << slot)))
-                while decode(transport.recv_control(120.0)[1])[0] != MSG_CACHE_DECIDE:
-                    pass
-                tables[rank].response(slot)
-                continue
-            with cond:
-                bits.mark(local, slot)
-                state["marked"] += 1
-                cond.notify_all()
-            if rank == leader:
-                with cond:
-                    while state["marked"] < (cycle + 1) * len(ranks):
-                        cond.wait()
-                    delta = bits.delta()
-                transport.send_control(0, encode(MSG_CACHE_BITS, bits=encode_bits(delta)))
-                while True:
-                    msg = transport.recv_control(120.0)
-                    if msg is None:
-                        raise RuntimeError(f"leader {rank}: no decision for 120 s")
-                    kind, body = decode(msg[1])
-                    if kind == MSG_CACHE_DECIDE:
-                        break
-                with cond:
-                    bits.decided([s for group in body["groups"] for s in group])
-                    state["decisions"] += 1
-                    cond.notify_all()
-            else:
-                with cond:
-                    while state["decisions"] <= cycle:
-                        cond.wait()
-            tables[rank].response(slot)
+        transport, cross = transports[rank], caches[rank]
+        for _ in range(args.cycles):
+            before = runs[rank].ran
+            if cross.submit([_request(rank)]):
+                raise RuntimeError(f"rank {rank}: the cached name missed")
+            _drive(transport, cross, _Until(lambda u, b=before: runs[rank].ran > b), "decision")
 
     proc.barrier("cached")
     _threads(ranks, cached)
@@ -399,7 +379,8 @@ def run_one(size: int, hosts: int, cycles: int, timeout: float,
                 store.set("sim", f"{name}.go", repr(time.time()).encode())
 
             barrier("rdv")
-            barrier("uncached")  # (every rank's transport is up)
+            barrier("links")  # (every rank's transport is up)
+            barrier("uncached")  # (every rank's cache, its host's links included, is up)
             took: list[list[float]] = []
             conns: list[list[int]] = []
             for i in range(nproc):
@@ -423,7 +404,8 @@ def run_one(size: int, hosts: int, cycles: int, timeout: float,
     data = [c[0] for c in conns]
     skip = min(3, cycles // 4)  # the first cycles warm caches and threads up
     return {
-        "ranks": size, "hosts": cyc["hosts"], "rendezvous_s": max(t[2] for t in took),
+        "ranks": size, "hosts": cyc["hosts"], "cache_hosts": cyc["cache_hosts"],
+        "marks_from": cyc["marks_from"], "rendezvous_s": max(t[2] for t in took),
         "store_connected_s": max(t[0] for t in took),
         "addresses_known_s": max(t[1] for t in took),
         "sets_checked_s": max(t[3] for t in took) if len(took[0]) > 3 else None,

@@ -24,6 +24,7 @@ before the deadline), :class:`~hora.errors.AuthenticationError`,
 from __future__ import annotations
 
 import abc
+import socket
 
 from hora.collectives.comm import Comm
 
@@ -63,6 +64,14 @@ class Transport(abc.ABC):
         Raises:
             PeerLostError: a control connection closed (names the peer's rank and host).
         """
+
+    def attach_control(self, peer: int, sock: socket.socket) -> bool:
+        """Add a control connection to ``peer`` (a connected stream socket made elsewhere, e.g.
+        between two ranks of one host): :meth:`send_control` and :meth:`recv_control` then carry
+        framed messages to and from ``peer`` as they do between rank 0 and the others, and its
+        loss is reported as :class:`~hora.errors.PeerLostError`. Returns False where the
+        transport cannot (the caller keeps to rank 0 <-> others); the default."""
+        return False
 
     @abc.abstractmethod
     def wake(self) -> None:

@@ -194,8 +194,8 @@ class TcpTransport(Transport):
 
     def connection_counts(self) -> tuple[int, int]:
         """``(data, control)``: how many TCP connections to other ranks this rank holds now
-        (listening socket and wake-up pair not counted)."""
-        return len(self._data), len(self._ctl.peers())
+        (listening socket, wake-up pair and attached host links not counted)."""
+        return len(self._data), len(self._ctl.peers()) - len(self._ctl.attached)
 
     def _lost_error(self, peer: int, exc: BaseException | None, doing: str
                     ) -> HoraInternalError:
@@ -357,6 +357,13 @@ class TcpTransport(Transport):
     def recv_control(self, timeout: float | None) -> tuple[int, bytes] | None:
         """See :meth:`hora.transports.tcp_control.ControlPlane.recv`."""
         return self._ctl.recv(timeout)
+
+    @override
+    def attach_control(self, peer: int, sock: socket.socket) -> bool:
+        """See :meth:`hora.transports.tcp_control.ControlPlane.attach`."""
+        self._check_open()
+        self._ctl.attach(peer, sock)
+        return True
 
     @override
     def wake(self) -> None:

@@ -114,6 +114,7 @@ class ControlPlane:
         self._woken = False
         self._scratch = memoryview(bytearray(256 * 1024))  # receive buffer
         self._fd_peer = {sock.fileno(): peer for peer, sock in control.items()}
+        self.attached: set[int] = set()  # peers whose connection came through attach()
         self._poller = _Poller()
         self._poller.register(self._wake_r, _POLLIN)
         for sock in control.values():
@@ -122,6 +123,24 @@ class ControlPlane:
     def peers(self) -> list[int]:
         """The ranks this rank has control connections to."""
         return list(self._control)
+
+    def attach(self, peer: int, sock: socket.socket) -> None:
+        """Add a control connection to ``peer`` made elsewhere (the response cache's links
+        between the ranks of one host, :mod:`hora.core.engine.cross_host`): framed, polled and
+        reported lost like the others. The engine thread only, before it uses the link.
+
+        Raises:
+            ValueError: this rank already has a control connection to ``peer``.
+        """
+        if peer in self._control or peer == self._rank:
+            raise ValueError(f"rank {self._rank} already has a control connection to {peer}")
+        self.attached.add(peer)
+        sock.setblocking(False)
+        self._send_locks[peer] = threading.Lock()
+        self._inbox[peer] = bytearray()
+        self._fd_peer[sock.fileno()] = peer
+        self._control[peer] = sock
+        self._poller.register(sock, _POLLIN)
 
     def _check_peer(self, peer: int) -> socket.socket:
         if self._closed:

@@ -6,7 +6,10 @@ so process set 0 spans hosts and named allreduces go through the cross-host resp
 Cases: hits (a named allreduce repeated, then a second name and a changed shape that is
 learned again), join (one rank joins while the others reduce a cached name), mismatch (rank 1
 changes the shape of a cached name), deadlock (ranks wait on different cached names), death
-(the last rank exits during a cached cycle).
+(the last rank exits during a cached cycle), stall (the last rank submits a cached name 4 s
+late), marked_death RANK (RANK marks a cached name, then dies before the others mark it: a host's
+rank, or its leader). The test chooses the hosts (``HORA_HOSTNAME``): one rank per host, or
+2 hosts x 2 ranks.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ def cross() -> object:
     return context.get().engine._cross  # the engine's CrossCache (None: not in use)
 
 
-def main(case: str) -> None:
+def main(case: str) -> None:  # noqa: C901
     hora.init()
     rank, size = hora.rank(), hora.size()
     info: dict[str, object] = {"cache": cross() is not None}
@@ -52,6 +55,8 @@ def main(case: str) -> None:
             assert np.all(out == size)
             info["slots_after"] = len(c._table)  # type: ignore[attr-defined]
             info["hits"] = c.hits  # type: ignore[attr-defined]
+            info["marks_from"] = sorted(c.marks_from)  # type: ignore[attr-defined]
+            info["leaders"] = c.layout.leaders  # type: ignore[attr-defined]
         elif case == "mismatch":
             for _ in range(3):
                 hora.allreduce(np.ones(4, np.float32), name="x")
@@ -73,6 +78,37 @@ def main(case: str) -> None:
             out = hora.allreduce(np.ones(4, np.float32), op=hora.Sum, name="j")
             assert np.all(out == size), out  # after the join, the cache again
             info["hits"] = cross().hits  # type: ignore[attr-defined]
+        elif case == "stall":
+            for _ in range(3):
+                hora.allreduce(np.ones(4, np.float32), name="s")
+            t0 = time.monotonic()
+            if rank == size - 1:
+                time.sleep(4)  # busy elsewhere; meets the others at the barrier
+            else:
+                try:
+                    hora.allreduce(np.ones(4, np.float32), name="s")
+                except hora.HorovodInternalError as exc:
+                    print(f"STALLED {rank} after {time.monotonic() - t0:.1f}s: {exc}",
+                          flush=True)
+            hora.barrier()
+        elif case == "marked_death":
+            victim = int(sys.argv[2])
+            for _ in range(3):
+                hora.allreduce(np.ones(4, np.float32), name="m")
+            hora.barrier()
+            if rank == victim:
+                hora.allreduce_async(np.ones(4, np.float32), name="m")  # marked, not decided
+                time.sleep(0.5)
+                os._exit(3)
+            time.sleep(1.5)  # the victim marks, then dies before the others mark
+            t0 = time.monotonic()
+            try:
+                hora.allreduce(np.ones(4, np.float32), name="m")
+            except Exception as exc:  # noqa: BLE001
+                print(f"ERR {rank} after {time.monotonic() - t0:.1f}s {type(exc).__name__}: "
+                      f"{exc}", flush=True)
+                hora.shutdown()
+                return
         elif case == "death":
             for _ in range(3):
                 hora.allreduce(np.ones(4, np.float32), name="d")

@@ -1,7 +1,9 @@
-"""The response cache across hosts (hora.core.engine.cross_link) in real jobs: every rank its own
-host (``HORA_HOSTNAME``), started as an external launcher would. Hits agree without requests,
-a changed signature is learned again, a mismatch and a deadlock fail on every rank with the
-coordinator's usual errors, and a rank that dies during a cached cycle fails the others."""
+"""The response cache across hosts (hora.core.engine.cross_link) in real jobs, started as an
+external launcher would, on fake hosts (``HORA_HOSTNAME``): every rank its own host, and 2 hosts
+x 2 ranks (each host's marks combined by its leader over the host's links, rank 0's messages
+relayed by the leaders). Hits agree without requests, a changed signature is learned again, a
+mismatch, a stall and a deadlock fail on every rank with the coordinator's usual errors, and a
+rank (or a host's leader) that dies during a cached cycle fails the others, naming it."""
 
 from __future__ import annotations
 
@@ -22,14 +24,16 @@ WORKER = str(Path(__file__).with_name("cross_cache_worker.py"))
 _ids = itertools.count()
 
 
-def run(case: str, size: int = 3, **env: str) -> list[tuple[int, str]]:
+def run(case: str, size: int = 3, *args: str, per_host: int = 1,
+        **env: str) -> list[tuple[int, str]]:
+    """Run ``case`` on ``size`` ranks, ``per_host`` ranks per (fake) host."""
     job = f"xc{os.getpid()}n{next(_ids)}"
     port, store_port = str(free_port()), str(free_port())
     envs = [{"RANK": str(r), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
              "MASTER_PORT": port, "HORA_RENDEZVOUS_PORT": store_port, "HORA_JOB_ID": job,
-             "HORA_HOSTNAME": f"host{r}", "HORA_START_TIMEOUT": "30", "OMP_NUM_THREADS": "1",
-             **env} for r in range(size)]
-    return spawn_ranks([sys.executable, WORKER, case], envs, timeout=90)
+             "HORA_HOSTNAME": f"host{r // per_host}", "HORA_START_TIMEOUT": "30",
+             "OMP_NUM_THREADS": "1", **env} for r in range(size)]
+    return spawn_ranks([sys.executable, WORKER, case, *args], envs, timeout=90)
 
 
 def lines(results: list[tuple[int, str]], prefix: str) -> dict[int, str]:
@@ -85,3 +89,60 @@ def test_a_rank_dying_during_a_cached_cycle_fails_the_others() -> None:
     assert sorted(err) == [0, 1], results
     for text in err.values():
         assert "rank 2" in text, text
+
+
+# ---- 2 hosts x 2 ranks: host 0 = ranks 0, 1 (leader 1), host 1 = ranks 2, 3 (leader 2) --------
+
+def run22(case: str, *args: str, **env: str) -> list[tuple[int, str]]:
+    return run(case, 4, *args, per_host=2, **env)
+
+
+def test_2x2_hits_reach_rank0_from_the_leaders_only() -> None:
+    results = run22("hits")
+    ok = lines(results, "OK")
+    assert sorted(ok) == [0, 1, 2, 3], results
+    infos = {r: json.loads(v) for r, v in ok.items()}
+    assert all(i["cache"] and i["leaders"] == [1, 2] for i in infos.values()), infos
+    assert all(i["slots_after"] == 6 for i in infos.values()), infos
+    assert all(i["hits"] == 29 + 25 + 1 for i in infos.values()), infos
+    assert infos[0]["marks_from"] == [1, 2], infos[0]  # no rank's own marks at rank 0
+
+
+def test_2x2_mismatch_fails_on_every_rank_with_the_coordinators_message() -> None:
+    err = lines(run22("mismatch"), "ERR")
+    assert sorted(err) == [0, 1, 2, 3], err
+    assert len(set(err.values())) == 1, err
+    assert "Mismatched ALLREDUCE tensor shapes" in err[0] and "ranks [1] had [5]" in err[0], err[0]
+
+
+def test_2x2_stall_names_the_missing_rank() -> None:
+    results = run22("stall", HORA_STALL_CHECK_TIME_SECONDS="1",
+                    HORA_STALL_SHUTDOWN_TIME_SECONDS="3")
+    assert "Missing ranks:\n3: [allreduce.s]" in results[0][1], results[0][1]
+    stalled = lines(results, "STALLED")
+    assert sorted(stalled) == [0, 1, 2], results
+    for text in stalled.values():
+        assert "never by ranks [3]" in text, text
+    assert sorted(lines(results, "OK")) == [0, 1, 2, 3], results
+
+
+def test_2x2_deadlock_fails_on_every_rank() -> None:
+    err = lines(run22("deadlock"), "ERR")
+    assert sorted(err) == [0, 1, 2, 3], err
+    for text in err.values():
+        assert text.startswith("DeadlockError") and "rank 0 waits in allreduce.a" in text, text
+
+
+def test_2x2_join() -> None:
+    ok = lines(run22("join"), "OK")
+    assert sorted(ok) == [0, 1, 2, 3], ok
+    assert len({json.loads(v)["last_joined"] for v in ok.values()}) == 1, ok
+
+
+@pytest.mark.parametrize("victim", [3, 2], ids=["a rank", "its host's leader"])
+def test_2x2_death_between_marking_and_deciding_fails_the_others(victim: int) -> None:
+    results = run22("marked_death", str(victim))
+    err = lines(results, "ERR")
+    assert sorted(err) == sorted({0, 1, 2, 3} - {victim}), results
+    for text in err.values():
+        assert f"rank {victim}" in text, text

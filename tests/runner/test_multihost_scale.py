@@ -59,11 +59,13 @@ def test_connections_scale_and_open_on_first_use(cluster: _netns.Cluster,
 CACHE_WORKER = str(Path(__file__).parents[1] / "integration" / "cross_cache_worker.py")
 
 
-def _job(cluster: _netns.Cluster, tmp_path: Path, case: str) -> dict[str, dict[int, str]]:
-    hosts = ",".join(f"{h.address}:1" for h in cluster.hosts)  # 3 hosts x 1 rank
+def _job(cluster: _netns.Cluster, tmp_path: Path, case: str,
+         per_host: int = 1) -> dict[str, dict[int, str]]:
+    hosts = cluster.hosts[:2] if per_host > 1 else cluster.hosts  # 3 x 1 or 2 x per_host
+    slots = ",".join(f"{h.address}:{per_host}" for h in hosts)
     argv = cluster.hosts[0].argv(PY, "-m", "hora.runner", "run", "-p", str(_netns.SSH_PORT),
-                                 "-i", cluster.identity, "-np", "3", "-H", hosts, PY,
-                                 CACHE_WORKER, case)
+                                 "-i", cluster.identity, "-np", str(len(hosts) * per_host),
+                                 "-H", slots, PY, CACHE_WORKER, case)
     env = clean_env()
     env["PATH"] = f"{cluster.ssh_bin}:{env['PATH']}"
     with Launcher(argv=argv, env=env, cwd=tmp_path) as launcher:
@@ -89,4 +91,19 @@ def test_response_cache_across_hosts(cluster: _netns.Cluster, tmp_path: Path) ->
         assert info["cache"] and info["hits"] == 29 + 25 + 1, info
     err = _job(cluster, tmp_path, "mismatch")["ERR"]
     assert sorted(err) == [0, 1, 2] and len(set(err.values())) == 1, err
+    assert "Mismatched ALLREDUCE tensor shapes" in err[0], err
+
+
+def test_response_cache_two_ranks_per_host(cluster: _netns.Cluster, tmp_path: Path) -> None:
+    """2 hosts x 2 ranks: each host's leader combines its ranks' marks over the host's links
+    (abstract Unix sockets, one namespace per host) and relays rank 0's messages; rank 0
+    hears marks from the leaders only, and a mismatch still fails everywhere alike."""
+    ok = _job(cluster, tmp_path, "hits", per_host=2)["OK"]
+    assert sorted(ok) == [0, 1, 2, 3], ok
+    infos = {rank: json.loads(text) for rank, text in ok.items()}
+    for info in infos.values():
+        assert info["cache"] and info["hits"] == 29 + 25 + 1 and info["leaders"] == [1, 2], info
+    assert infos[0]["marks_from"] == [1, 2], infos[0]
+    err = _job(cluster, tmp_path, "mismatch", per_host=2)["ERR"]
+    assert sorted(err) == [0, 1, 2, 3] and len(set(err.values())) == 1, err
     assert "Mismatched ALLREDUCE tensor shapes" in err[0], err

@@ -189,6 +189,70 @@ class HostBits:
         self._per_rank = [mask & ~clear for mask in self._per_rank]
 
 
+class HostRounds:
+    """A host leader's view in the engine: a *round counter* per local rank and slot (a rank
+    marks slot ``s`` once per round: ``count += 1``), and per slot how many rounds rank 0 has
+    been told of. A round is complete on the host when every local rank's counter passed it;
+    :meth:`delta` reports each complete round once. Nothing is cleared when a round is decided,
+    so a rank that marks round *k+1* before another rank's round-*k* mark arrived is counted
+    for *k+1*, never lost and never taken for round *k* (bits, cleared at decision time, need
+    the leader to clear before any rank may mark again). Work per call: O(slots marked since
+    the last :meth:`delta` x local ranks)."""
+
+    def __init__(self, members: list[int]) -> None:
+        self._index = {rank: i for i, rank in enumerate(members)}
+        self._counts: dict[int, list[int]] = {}  # slot -> rounds marked, per local rank
+        self._told: dict[int, int] = {}  # slot -> rounds reported to rank 0
+        self._touched: set[int] = set()
+
+    def mark(self, rank: int, bits: int) -> None:
+        """Local rank ``rank`` marked the slots of ``bits`` (one more round each).
+
+        Raises:
+            ProtocolError: ``rank`` is not a rank of this host.
+        """
+        i = self._index.get(rank)
+        if i is None:
+            raise ProtocolError(f"rank {rank} marked cached slots at a leader of another host")
+        for slot in slots_of(bits):
+            counts = self._counts.get(slot)
+            if counts is None:
+                counts = self._counts[slot] = [0] * len(self._index)
+            counts[i] += 1
+            self._touched.add(slot)
+
+    def delta(self) -> int:
+        """Slots with a round complete on every local rank that rank 0 was not told of (then
+        told: the count of told rounds goes up by one each)."""
+        out = 0
+        again = set()
+        for slot in self._touched:
+            counts = self._counts.get(slot)
+            told = self._told.get(slot, 0)
+            if counts is not None and min(counts) > told:
+                self._told[slot] = told + 1
+                out |= 1 << slot
+                if min(counts) > told + 1:
+                    again.add(slot)  # (the next round: after rank 0 decided this one)
+        self._touched = again
+        return out
+
+    def laggards(self, slot: int) -> list[int]:
+        """The local ranks that have marked fewer rounds of ``slot`` than the most (logs)."""
+        counts = self._counts.get(slot)
+        if not counts:
+            return []
+        top = max(counts)
+        return [r for r, i in self._index.items() if counts[i] < top]
+
+    def drop(self, slots: list[int]) -> None:
+        """``slots`` were invalidated: forget them (their numbers are never reused)."""
+        for slot in slots:
+            self._counts.pop(slot, None)
+            self._told.pop(slot, None)
+            self._touched.discard(slot)
+
+
 class CacheCoordinator:
     """Rank 0's side: per host, the slots its leader reported ready; a slot every host reported
     is decided. Per message: work for the bits it carries (a count per slot), not per host."""
@@ -252,5 +316,9 @@ class CacheCoordinator:
         self._forget(slots)
 
 
-__all__ = ["MAX_SLOTS", "MSG_CACHE_BITS", "MSG_CACHE_DECIDE", "CacheCoordinator", "HostBits",
+MSG_CACHE_MARK = "cmark"
+"""A rank -> its host's leader: ``{"bits": hex}``: slots this rank marked (one round each)."""
+
+__all__ = ["MAX_SLOTS", "MSG_CACHE_BITS", "MSG_CACHE_DECIDE", "MSG_CACHE_MARK",
+           "CacheCoordinator", "HostBits", "HostRounds",
            "SlotTable", "decode_bits", "encode_bits", "slots_of"]

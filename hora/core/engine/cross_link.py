@@ -1,35 +1,51 @@
 """The engine's side of the response cache across hosts (:mod:`hora.core.engine.cross_cache`).
 
 One :class:`CrossCache` per engine, used by the engine thread only, for process set 0 of a job
-whose ranks are on more than one host (on one host the fast lane answers). The engine calls it
-at four points:
+whose ranks are on more than one host (on one host the fast lane answers). The hosts, their
+leaders, the links between a host's ranks and rank 0's relay are
+:mod:`hora.core.engine.cross_host`'s. The engine calls it at these points:
 
 * :meth:`CrossCache.submit` (every rank, before requests are sent or, on rank 0, added to the
   coordinator): a request whose name holds a slot and whose signature agrees is a *hit*; it is
-  not sent: the rank sends rank 0 one ``cbits`` message with the slots it marked ready (rank 0
-  marks its own directly). Misses go on as requests.
-* :meth:`CrossCache.receive` (every control message): ``cbits`` on rank 0, ``cdec`` on the
-  others (run these slots, in these fusion groups; drop those slots); it also watches negotiated
-  requests and responses: slots are learned from the responses every rank runs, in the one order
-  rank 0 sends them (rank 0 learns in :meth:`CrossCache.wrap_dispatch`), and a negotiated request
-  for a name that holds a slot invalidates the slot.
-* :meth:`CrossCache.poll` (rank 0's loop): a slot that some ranks marked and others not for half
-  the deadlock time (or of the stall-warning time when deadlock detection is off) is
-  invalidated, so the coordinator, the stall inspector and the deadlock detector see every
-  rank's request for it and report what they always report.
+  not sent: the rank marks the slot, one ``cmark`` message to its host's leader (over the
+  host's link; rank 0 over its TCP connection to its host's leader). Misses go on as requests,
+  straight to rank 0.
+* :meth:`CrossCache.take` (every control message, raw): a leader forwards rank 0's relay frames
+  to its ranks before anything else, and counts its ranks' marks per round
+  (:class:`~hora.core.engine.cross_cache.HostRounds`); once a round of a slot is complete on
+  the host it sends rank 0 one ``cbits`` for the host. Rank 0 decides a slot every host
+  reported and sends each leader one ``cdec`` frame (run these slots in these fusion groups;
+  drop those), which the leader forwards to its ranks. Slots are learned from the responses
+  every rank runs, in rank 0's order (rank 0 learns in :meth:`CrossCache.wrap_dispatch`), and a
+  negotiated request for a name that holds a slot invalidates the slot.
+* :meth:`CrossCache.poll` (rank 0's loop): a slot that some hosts reported and others not for
+  half the deadlock time (or of the stall-warning time when deadlock detection is off) is
+  invalidated; so is one a wait report (any rank's, rank 0's own included) points at, so that
+  a slot no host completes (a deadlock inside every host) still reaches the coordinator.
+* :meth:`CrossCache.leave` (the engine's goodbye): rank 0 ends every host's relay first; a
+  leader forwards until rank 0 ended its host's relay; another rank tells its leader it leaves.
 
-**Invalidation** drops the slot on every rank (``cdec`` with ``inval``); a rank whose op marked
-the slot sends it as a request instead (rank 0 adds its own to the coordinator). A mismatch
-(one rank's request differs from the slot) therefore reaches the coordinator with every rank's
-request and fails with the coordinator's message on every rank. A ``join`` suspends the cache
-until the join's response (every mark is invalidated on sight, since a joined rank marks
-nothing); a rank that says goodbye turns it off. Failure detection is the control plane's.
+**One order.** Every message rank 0 sends that must keep its place (responses of any set,
+decisions, invalidations, fast-lane closes, tunables) reaches a rank through its host's leader
+while that leader is there (the :class:`~hora.core.engine.cross_host.Relay`), so each rank
+hears them on one FIFO path and runs negotiated responses and cached decisions in rank 0's
+order; nothing is numbered, because nothing can overtake. (Numbering rank 0's batches and
+holding early ones would let decisions alone take the relay, but responses of other process
+sets go to some ranks only, so each rank's place in the sequence would have to travel per rank
+in every decision: O(ranks) per cycle again.) When a host's relay ends, messages straight from
+rank 0 are held until the relay's last frame has come (:class:`~.cross_host.RelayGate`).
 
-Rank 0 parses one small message per rank per cycle instead of a JSON request, and never runs
-``Coordinator.add`` for a hit. Within a host, the ranks' marks could be combined by the host's
-leader over shared memory first (rank 0 then hears once per host, as
-``benchmarks/control_plane_sim.py`` measures); here every rank is its own host (the design for
-the shared-memory step, not built: docs/multihost.md, "The response cache across hosts").
+**Invalidation** drops the slot on every rank; a rank whose op marked the slot sends it to
+rank 0 as a request (rank 0 adds its own to the coordinator), so the coordinator sees every
+rank's request and a mismatch fails with its message on every rank. A ``join`` suspends the
+cache until the join's response; a goodbye turns it off. **Failures**: every rank keeps its
+connection and heartbeats to rank 0; a rank or leader that dies closes its host link too, and
+the rank at the other end reports it at once (:class:`~hora.errors.PeerLostError`), as rank 0
+does, so every rank fails with the dead rank named.
+
+Rank 0 parses one ``cbits`` per host per cached cycle and sends one frame per host; with
+``per_rank`` (or a transport without host links) every rank is its own host and leader: rank 0
+then hears one ``cbits`` from every rank (``benchmarks/control_plane_sim.py --per-rank-marks``).
 """
 
 from __future__ import annotations
@@ -44,13 +60,26 @@ from hora.core.engine.coordinator import Coordinator
 from hora.core.engine.cross_cache import (
     MSG_CACHE_BITS,
     MSG_CACHE_DECIDE,
+    MSG_CACHE_MARK,
     CacheCoordinator,
+    HostRounds,
     SlotTable,
     decode_bits,
     encode_bits,
     slots_of,
 )
-from hora.core.engine.dispatch import Responses
+from hora.core.engine.cross_host import (
+    MSG_LOCAL_BYE,
+    MSG_RELAY_END,
+    HostLayout,
+    Item,
+    Relay,
+    RelayGate,
+    control_links,
+    forward_until_end,
+    open_links,
+    unframe,
+)
 from hora.core.op.messages import (
     MSG_BYE,
     MSG_REQUESTS,
@@ -59,15 +88,18 @@ from hora.core.op.messages import (
     OpKind,
     Request,
     Response,
+    decode,
     encode,
 )
-from hora.errors import ProtocolError
+from hora.errors import HoraError, ProtocolError
 from hora.transports.base import Transport
 
 log = get_logger(__name__)
 
 _SET = 0  # the process set the cache serves (the global one)
 _D = TypeVar("_D", bound=Callable[[list[Response]], bool])
+LEAVE_WAIT_S = 5.0
+"""How long a leader leaving forwards rank 0's frames, waiting for its host's relay to end."""
 
 
 class CrossCache:
@@ -75,28 +107,50 @@ class CrossCache:
 
     @classmethod
     def for_job(cls, transport: Transport, config: Config, hostnames: list[str] | None,
-                responses: Responses, coordinator: Coordinator | None,
-                departed: Set[int], recording: bool) -> CrossCache | None:
+                responses: Any, coordinator: Coordinator | None,
+                departed: Set[int], recording: bool, job_id: str = "",
+                per_rank: bool = False) -> CrossCache | None:
         """The cache for a job whose ranks span hosts; None on one host, for one rank, with
         ``HOROVOD_CACHE_CAPACITY=0`` or while a timeline is configured (every op then shows
-        its negotiation)."""
+        its negotiation). Hosts share their marks through links made here (every rank of a host
+        at once) unless ``per_rank``, there is no job id to name them, or the transport cannot
+        carry them: then every rank is its own host."""
         if (transport.size < 2 or not hostnames or len(set(hostnames)) < 2
                 or config.cache_capacity <= 0 or recording or config.timeline):
             return None
-        return cls(transport, config, responses, coordinator, departed)
+        per_rank = per_rank or not job_id or not control_links(transport)
+        layout = HostLayout(hostnames, per_rank)
+        if not per_rank:
+            open_links(transport, layout, job_id, max(config.start_timeout, 30.0))
+        return cls(transport, config, responses, coordinator, departed, layout)
 
-    def __init__(self, transport: Transport, config: Config, responses: Responses,
-                 coordinator: Coordinator | None, departed: Set[int]) -> None:
+    def __init__(self, transport: Transport, config: Config, responses: Any,
+                 coordinator: Coordinator | None, departed: Set[int],
+                 layout: HostLayout) -> None:
         self._transport = transport
         self._config = config
-        self._responses = responses
+        self._responses = responses  # (Responses: execute; send_ordered is set here on rank 0)
         self._coordinator = coordinator
         self._departed = departed
-        self._size = transport.size
+        self._rank, self._size = transport.rank, transport.size
+        self.layout = layout
+        host = layout.host_of[self._rank]
+        self._leader = layout.leaders[host]
         self._table = SlotTable(config.cache_capacity)
         self._marked: dict[int, Request] = {}  # slot -> this rank's op waiting for a decision
         self.hits = 0  # ops this rank marked instead of requesting (tests, benchmarks)
-        self._rank0 = CacheCoordinator(self._size) if coordinator is not None else None
+        self.marks_from: dict[int, int] = {}  # rank 0: cbits messages parsed, per sender
+        self._rounds = HostRounds(layout.hosts[host]) if self._leader == self._rank else None
+        self._relayed = self._rank not in (0, self._leader) and self._leader != 0
+        self._gate = RelayGate(self._relayed)
+        self._left: set[int] = set()  # host links whose far end left cleanly
+        self._relay_ended = False  # a leader: rank 0 ended this host's relay
+        self.relay: Relay | None = None
+        self._rank0: CacheCoordinator | None = None
+        if coordinator is not None:
+            self.relay = Relay(transport, layout, departed)
+            self._rank0 = CacheCoordinator(len(layout.hosts))
+            responses.send_ordered = self.relay.send
         self._suspended = False  # rank 0: a join is in progress
         self._off = False  # rank 0: a rank said goodbye
         limit = config.deadlock_time_seconds or config.stall_check_time_seconds
@@ -104,7 +158,7 @@ class CrossCache:
 
     # ---- every rank ---------------------------------------------------------------------------
     def submit(self, requests: list[Request]) -> list[Request]:
-        """Mark this rank's hits ready; returns the requests to negotiate."""
+        """Mark this rank's hits; returns the requests to negotiate."""
         misses: list[Request] = []
         bits = 0
         for req in requests:
@@ -118,11 +172,69 @@ class CrossCache:
             bits |= 1 << slot
         if self._rank0 is not None:
             self._watch_requests(misses)
-            if bits:
-                self._mark(0, bits)
-        elif bits:
-            self._transport.send_control(0, encode(MSG_CACHE_BITS, bits=encode_bits(bits)))
+        if bits:
+            if self._rounds is not None:
+                self._rounds.mark(self._rank, bits)
+                self._report()
+            else:
+                self._transport.send_control(self._leader,
+                                             encode(MSG_CACHE_MARK, bits=encode_bits(bits)))
         return misses
+
+    def _report(self) -> None:
+        """A leader: tell rank 0 the rounds complete on this host."""
+        assert self._rounds is not None
+        delta = self._rounds.delta()
+        if not delta:
+            return
+        if self._rank0 is not None:
+            self._mark(self.layout.host_of[0], delta)
+        else:
+            self._transport.send_control(0, encode(MSG_CACHE_BITS, bits=encode_bits(delta)))
+
+    def take(self, sender: int, payload: bytes) -> list[Item]:
+        """One raw control message: relay frames forwarded, host-link and cache messages
+        handled; returns the messages left for the engine, as ``(sender, kind, body)``
+        (rank 0's messages that came through the leader have sender 0).
+
+        Raises:
+            ProtocolError: a malformed message.
+        """
+        framed = unframe(payload)
+        if framed is not None:  # a leader: rank 0's frame for this host
+            to, me, payload = framed
+            for peer in to:
+                if peer not in self._left:
+                    self._transport.send_control(peer, payload)
+            if not me:
+                return []
+        kind, body = decode(payload)
+        if self._relayed:
+            if sender == self._leader:  # relayed: rank 0's, in its order
+                if kind == MSG_RELAY_END:
+                    self._left.add(sender)
+                    return self._receive_all(self._gate.end())
+                return self._receive_all([(0, kind, body)])
+            if sender == 0:
+                return self._receive_all(self._gate.direct((0, kind, body)))
+        if kind == MSG_CACHE_MARK and self._rounds is not None:
+            self._rounds.mark(sender, decode_bits(body.get("bits")))
+            self._report()
+            return []
+        if kind == MSG_LOCAL_BYE:
+            self._left.add(sender)
+            return []
+        if kind == MSG_RELAY_END:
+            self._relay_ended = True
+            return []
+        return self._receive_all([(sender, kind, body)])
+
+    def _receive_all(self, items: list[Item]) -> list[Item]:
+        return [item for item in items if not self.receive(*item)]
+
+    def left(self, peer: int) -> bool:
+        """Whether ``peer``'s host link closed after it left cleanly (not a failure)."""
+        return peer in self._left
 
     def receive(self, sender: int, kind: str, body: dict[str, Any]) -> bool:
         """Look at one control message; True when it was the cache's (the engine skips it).
@@ -132,15 +244,23 @@ class CrossCache:
         """
         if self._rank0 is not None:
             if kind == MSG_CACHE_BITS:
-                self._mark(sender, decode_bits(body.get("bits")))
+                host = self.layout.host_of[sender]
+                if self.layout.leaders[host] != sender:
+                    raise ProtocolError(f"rank {sender} sent its host's cache marks but does "
+                                        "not lead its host")
+                self.marks_from[sender] = self.marks_from.get(sender, 0) + 1
+                self._mark(host, decode_bits(body.get("bits")))
                 return True
             if kind == MSG_REQUESTS:
                 self._watch_requests(body["reqs"])
             elif kind == MSG_BYE:
                 self._off = True
                 self._invalidate(self._rank0.pending())
+                host = self.layout.host_of[sender]
+                if self.layout.leaders[host] == sender and self.relay is not None:
+                    self.relay.end(host, encode(MSG_RELAY_END))  # its ranks: straight from now
             elif kind == MSG_WAITS:
-                self._watch_waits(body)
+                self.watch_waits(body.get("waits"))
             return False
         if kind == MSG_CACHE_DECIDE:
             self._decided(body)
@@ -153,6 +273,19 @@ class CrossCache:
     def _learn(self, resp: Response) -> None:
         if resp.set_id == _SET:
             self._table.learn(resp)
+
+    def leave(self) -> None:
+        """The engine's goodbye (after its loop; rank 0 before it sends its own goodbye, the
+        others after theirs): see the module's docstring. Never raises."""
+        try:
+            if self.relay is not None:
+                self.relay.end_all(encode(MSG_RELAY_END))
+            elif self._rounds is None and self._leader != 0:
+                self._transport.send_control(self._leader, encode(MSG_LOCAL_BYE))
+            elif self.layout.linked(self._rank) and not self._relay_ended:
+                forward_until_end(self._transport, self._left, LEAVE_WAIT_S)
+        except HoraError:
+            pass  # the peer is gone already: nothing to tell
 
     # ---- workers ------------------------------------------------------------------------------
     def _decided(self, body: dict[str, Any]) -> None:
@@ -168,6 +301,8 @@ class CrossCache:
             req = self._marked.pop(slot, None)
             if req is not None:
                 again.append(req)
+        if self._rounds is not None and inval:
+            self._rounds.drop(inval)
         if again:  # negotiated after all: the coordinator sees every rank's request
             self._transport.send_control(0, encode(MSG_REQUESTS, reqs=again))
         if groups:
@@ -202,13 +337,14 @@ class CrossCache:
         return cast(_D, learning)
 
     def poll(self, now: float | None = None) -> bool:
-        """Invalidate slots marked by some ranks only, for too long. True if any was."""
+        """Invalidate slots marked on some hosts only, for too long. True if any was."""
         if self._rank0 is None:
             return False
         late = self._rank0.waiting(self._patience, now)
         if late:
-            log.debug("cross-host cache: slots %s waited %.2f s for ranks %s; negotiating them",
-                      late, self._patience, self._rank0.missing_hosts(late[0]))
+            missing = [self.layout.hosts[h] for h in self._rank0.missing_hosts(late[0])]
+            log.debug("cross-host cache: slots %s waited %.2f s for the hosts of ranks %s; "
+                      "negotiating them", late, self._patience, missing)
             self._invalidate(late)
         return bool(late)
 
@@ -228,26 +364,23 @@ class CrossCache:
         if stale:
             self._invalidate(sorted(set(stale)))
 
-    def _watch_waits(self, body: dict[str, Any]) -> None:
-        """A rank blocked on an op whose slot is pending: negotiate it, so that the deadlock
-        detector sees it."""
-        waits = body.get("waits")
-        if not isinstance(waits, list):
+    def watch_waits(self, waits: object) -> None:
+        """Rank 0: a rank (this one included) blocked on an op whose name holds a slot: negotiate
+        it, so that the deadlock detector sees it (its marks may sit at a leader whose host
+        never completes the round: rank 0 would hear nothing of them)."""
+        if not isinstance(waits, (list, tuple)):
             return
         stale = []
         for item in waits:
-            if isinstance(item, list) and len(item) == 4 and item[0] is True and item[1] == _SET:
+            if isinstance(item, (list, tuple)) and len(item) == 4 and item[0] is True \
+                    and item[1] == _SET:
                 slot = self._table.slot_of(_SET, str(item[2]))
-                if slot is not None and slot in self._marked_anywhere():
+                if slot is not None:
                     stale.append(slot)
         if stale:
-            self._invalidate(stale)
+            self._invalidate(sorted(set(stale)))
 
-    def _marked_anywhere(self) -> set[int]:
-        assert self._rank0 is not None
-        return set(self._rank0.pending())
-
-    def _mark(self, rank: int, bits: int) -> None:
+    def _mark(self, host: int, bits: int) -> None:
         assert self._rank0 is not None
         valid = 0
         for slot in slots_of(bits):
@@ -258,7 +391,7 @@ class CrossCache:
         if self._suspended or self._off:
             self._invalidate(slots_of(valid))
             return
-        self._rank0.add(rank, valid)
+        self._rank0.add(host, valid)
         ready = self._rank0.ready()
         if ready:
             self._decide(ready)
@@ -283,14 +416,25 @@ class CrossCache:
             req = self._marked.pop(slot, None)
             if req is not None:
                 again.append(req)
+        if self._rounds is not None:
+            self._rounds.drop(slots)
         self._send_all(encode(MSG_CACHE_DECIDE, groups=[], inval=slots))
         if again:
             self._coordinator.add(again)
 
     def _send_all(self, message: bytes) -> None:
-        for peer in range(1, self._size):
-            if peer not in self._departed:
-                self._transport.send_control(peer, message)
+        assert self.relay is not None
+        self.relay.send_all(message)
 
 
-__all__ = ["CrossCache"]
+def goodbye(cross: CrossCache | None, say_goodbye: Callable[[], None], rank0: bool) -> None:
+    """The engine's goodbye: rank 0 ends the cache's relays before its own goodbye; a leader
+    relays after its own until rank 0 ended its host's relay (:meth:`CrossCache.leave`)."""
+    if cross is not None and rank0:
+        cross.leave()
+    say_goodbye()
+    if cross is not None and not rank0:
+        cross.leave()
+
+
+__all__ = ["CrossCache", "goodbye"]

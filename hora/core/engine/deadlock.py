@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 from typing import Protocol
 
 from hora._util.log import get_logger
 from hora.config import Config
 from hora.core.op.handle import BLOCKED_AFTER_S, Handle
-from hora.core.op.messages import ERROR_DEADLOCK, OpKind, Response, Wait
+from hora.core.op.messages import ERROR_DEADLOCK, MSG_LANE_OFF, OpKind, Response, Wait, encode
 from hora.core.op.process_set import Registry
 
 log = get_logger(__name__)
@@ -40,6 +40,20 @@ Key = tuple[int, str]
 
 LANE_FLUSH = "<fast lane flush>"
 """The op name of a wait for this rank's fast-lane log to drain (before a join)."""
+
+
+def close_lanes(set_ids: list[int], registry: Registry, close: Callable[[int], None],
+                departed: Set[int], send: Callable[[list[int], bytes], None]) -> None:
+    """Rank 0: a suspected deadlock involves ops in these sets' fast lanes: every member
+    closes its log (``close`` here, ``send``: :data:`MSG_LANE_OFF` in its place among the
+    responses to the others), so the lane hands them to the coordinator, which can then judge."""
+    for set_id in set_ids:
+        log.debug("process set %d: closing the fast lane to look for a deadlock", set_id)
+        for peer in registry.ranks(set_id) or []:
+            if peer == 0:
+                close(set_id)
+            elif peer not in departed:
+                send([peer], encode(MSG_LANE_OFF, set=set_id))
 
 
 class WaitReports:

@@ -13,7 +13,7 @@ listens for the root cause).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from hora.core.data.executor import Executor
 from hora.core.engine import trace
@@ -58,6 +58,14 @@ class Responses:
         self._rank, self._size = transport.rank, transport.size
         self.executing = False
         """True while a batch runs; left True if it raised (the engine's abort reads it)."""
+        self.send_ordered: Callable[[list[int], bytes], None] = self._send_direct
+        """Rank 0: how a message that must keep its place among the responses reaches its
+        peers (the response cache across hosts relays it through the hosts' leaders:
+        :class:`~hora.core.engine.cross_host.Relay`)."""
+
+    def _send_direct(self, peers: list[int], payload: bytes) -> None:
+        for peer in peers:
+            self._transport.send_control(peer, payload)
 
     def expect(self, entry: Entry) -> None:
         """The engine requested ``entry``'s op: its response will complete it."""
@@ -78,8 +86,7 @@ class Responses:
             return False
         trace.negotiation_done(self._timeline, responses)
         for payload, peers in self._payloads(responses):
-            for peer in peers:
-                self._transport.send_control(peer, payload)
+            self.send_ordered(peers, payload)
         self.execute(responses)
         return True
 

@@ -37,6 +37,7 @@ import threading
 import time
 from collections import deque
 from functools import partial
+from typing import Any, cast
 
 from hora import errors
 from hora._util.log import get_logger
@@ -45,8 +46,9 @@ from hora.core.autotune.autotune import Tuning
 from hora.core.data.executor import Executor
 from hora.core.engine import affinity, trace
 from hora.core.engine.coordinator import Coordinator
-from hora.core.engine.cross_link import CrossCache
-from hora.core.engine.deadlock import WaitReports
+from hora.core.engine.cross_host import OrderedTransport
+from hora.core.engine.cross_link import CrossCache, goodbye
+from hora.core.engine.deadlock import WaitReports, close_lanes
 from hora.core.engine.dispatch import Responses
 from hora.core.engine.liveness import Liveness, RemoteAbort
 from hora.core.lane.fastlane import FastLane
@@ -120,11 +122,13 @@ class Engine:
         # _receive and rank 0's loop
         self._cross = CrossCache.for_job(transport, config, hostnames, self._responses,
                                          self._coordinator, self._departed,
-                                         self.timeline.recording)
+                                         self.timeline.recording, job_id)
         if self._cross is not None:
             self._dispatch = self._cross.wrap_dispatch(self._dispatch)
+        ordered = self._responses.send_ordered  # (tunables keep their place among responses)
         self.tuning = Tuning(  # autotune: what reads the tunables, what runs collectives
-            config, transport, self._departed, hostnames,
+            config, cast(Transport, OrderedTransport(transport, lambda p, m: ordered([p], m))),
+            self._departed, hostnames,
             retunables=[self._lanes, self._executor] if self._coordinator is None
             else [self._coordinator, self._lanes, self._executor],
             observed=[self._lanes, self._executor])
@@ -204,22 +208,13 @@ class Engine:
         if not updates:
             return False
         if self._coordinator is not None:
+            if self._cross is not None:
+                self._cross.watch_waits(updates)
             for blocked, set_id, name, lane in updates:
                 self._coordinator.deadlocks.waiting(0, blocked, set_id, name, lane)
         else:
             self.transport.send_control(0, encode(MSG_WAITS, waits=updates))
         return True
-
-    def _close_lanes(self, set_ids: list[int]) -> None:
-        """Rank 0: a suspected deadlock involves ops in these sets' fast lanes: every member
-        closes its log, so the lane hands them to the coordinator, which can then judge."""
-        for set_id in set_ids:
-            log.debug("process set %d: closing the fast lane to look for a deadlock", set_id)
-            for peer in self.registry.ranks(set_id) or []:
-                if peer == 0:
-                    self._lanes.close(set_id)
-                elif peer not in self._departed:
-                    self.transport.send_control(peer, encode(MSG_LANE_OFF, set=set_id))
 
     # ---- the fast lanes' EngineSide (hora.core.lane.engine_side; threads: there) ---------------
     def requeue(self, entries: list[Entry]) -> None:
@@ -302,7 +297,8 @@ class Engine:
                     if coordinator.deadlocks.has_waits() and now >= next_deadlock:
                         next_deadlock = now + deadlock_every
                         failed, lanes = coordinator.deadlocks.check(now)
-                        self._close_lanes(lanes)
+                        close_lanes(lanes, self.registry, self._lanes.close, self._departed,
+                                    self._responses.send_ordered)
                         self._dispatch(failed)
                     busy = self.tuning.poll() or busy  # (between batches of responses)
                     if self._cross is not None:
@@ -321,7 +317,7 @@ class Engine:
                     if beat is not None:
                         wait = beat if wait is None else min(wait, beat)
                     self._receive(wait)
-            self._liveness.say_goodbye()
+            goodbye(self._cross, self._liveness.say_goodbye, self._coordinator is not None)
         except HoraError as exc:
             self._abort(exc)
         except Exception as exc:  # a bug: fail every op of this rank, abort the job
@@ -371,7 +367,8 @@ class Engine:
             try:
                 msg = self.transport.recv_control(timeout)
             except PeerLostError as exc:
-                if exc.peer is not None and exc.peer in self._departed:
+                if exc.peer is not None and (exc.peer in self._departed or self._cross
+                                             is not None and self._cross.left(exc.peer)):
                     continue  # it said goodbye first: a clean exit
                 raise
             if msg is None:
@@ -379,42 +376,48 @@ class Engine:
             timeout = 0.0
             handled = True
             sender, payload = msg
-            self._liveness.heard(sender)
-            kind, body = decode(payload)
-            if self._cross is not None and self._cross.receive(sender, kind, body):
+            if self._cross is None:
+                if self._handle(sender, *decode(payload)):
+                    return True
                 continue
-            if kind == MSG_HEARTBEAT:
-                pass
-            elif kind == MSG_REQUESTS and self._coordinator is not None:
-                for req in body["reqs"]:
-                    req.rank = sender  # the authenticated connection says who sent it
-                trace.negotiation_ready(self.timeline, self.registry, body["reqs"])
-                self._coordinator.add(body["reqs"])
-            elif kind == MSG_RESPONSES and self._coordinator is None:
-                trace.negotiation_done(self.timeline, body["resps"])
-                self._responses.execute(body["resps"])
-            elif kind == MSG_WAITS and self._coordinator is not None:
-                for blocked, set_id, name, lane in parse_waits(body):
-                    self._coordinator.deadlocks.waiting(sender, blocked, set_id, name, lane)
-            elif kind == MSG_PARAMS and self._coordinator is None:
-                self.tuning.receive(body)
-            elif kind == MSG_LANE_OFF and self._coordinator is None:
-                lane_set = body.get("set")
-                if isinstance(lane_set, int):
-                    self._lanes.close(lane_set)
-            elif kind == MSG_BYE and self._coordinator is not None:
-                self._liveness.depart(sender)
-                self._coordinator.depart(sender, "it called shutdown() or exited")
-            elif kind == MSG_SHUTDOWN:
-                self._error = ShutdownError(
-                    "Horovod has been shut down: rank 0 called shutdown() or exited; no more "
-                    "collectives can run in this job.")
-                self._halt()
-                return True
-            elif kind == MSG_ABORT:
-                raise RemoteAbort(str(body.get("reason", "another rank failed")), sender)
-            if self._stop.is_set():
-                return True
+            for item in self._cross.take(sender, payload):  # (relays, host links, the cache)
+                if self._handle(*item):
+                    return True
+
+    def _handle(self, sender: int, kind: str, body: dict[str, Any]) -> bool:
+        """One control message (:meth:`_receive`'s); True when the thread must stop."""
+        self._liveness.heard(sender)
+        if kind == MSG_HEARTBEAT:
+            pass
+        elif kind == MSG_REQUESTS and self._coordinator is not None:
+            for req in body["reqs"]:
+                req.rank = sender  # the authenticated connection says who sent it
+            trace.negotiation_ready(self.timeline, self.registry, body["reqs"])
+            self._coordinator.add(body["reqs"])
+        elif kind == MSG_RESPONSES and self._coordinator is None:
+            trace.negotiation_done(self.timeline, body["resps"])
+            self._responses.execute(body["resps"])
+        elif kind == MSG_WAITS and self._coordinator is not None:
+            for blocked, set_id, name, lane in parse_waits(body):
+                self._coordinator.deadlocks.waiting(sender, blocked, set_id, name, lane)
+        elif kind == MSG_PARAMS and self._coordinator is None:
+            self.tuning.receive(body)
+        elif kind == MSG_LANE_OFF and self._coordinator is None:
+            lane_set = body.get("set")
+            if isinstance(lane_set, int):
+                self._lanes.close(lane_set)
+        elif kind == MSG_BYE and self._coordinator is not None:
+            self._liveness.depart(sender)
+            self._coordinator.depart(sender, "it called shutdown() or exited")
+        elif kind == MSG_SHUTDOWN:
+            self._error = ShutdownError(
+                "Horovod has been shut down: rank 0 called shutdown() or exited; no more "
+                "collectives can run in this job.")
+            self._halt()
+            return True
+        elif kind == MSG_ABORT:
+            raise RemoteAbort(str(body.get("reason", "another rank failed")), sender)
+        return self._stop.is_set()
 
     # ---- shutdown and failure ------------------------------------------------------------------
     def _abort(self, exc: HoraError) -> None:
