@@ -7,6 +7,13 @@ a ``register_post_accumulate_grad_hook``: the moment its gradient is accumulated
 async allreduce of it starts, so communication overlaps the rest of backward. ``step()`` waits
 for them (``synchronize()``) and then runs the wrapped optimizer's step.
 
+Overlap needs a core to communicate on: hora moves a CPU gradient's bytes with this process's
+threads, which hold the GIL for their Python and take the core backward computes on. When this
+rank has no core beyond torch's compute threads (:func:`overlaps`), the hooks only note that a
+gradient is ready and ``synchronize()`` starts every allreduce at once and runs them on the
+calling thread (fused where the engine fuses): the same ops, names and results, without
+backward and the communication taking turns on one core. CUDA gradients always overlap.
+
 The rules that are not torch-specific (argument checks, names, groups, predivide factors) are in
 :mod:`hora.core.frontend.distopt`; the collectives are :mod:`hora.torch.ops`.
 """
@@ -17,16 +24,19 @@ import inspect
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
 
 import hora
+from hora._util.cpus import usable_cpus
 from hora._util.log import get_logger
 from hora.collectives.ops import ReduceOp
 from hora.core.engine import context as _context
 from hora.core.frontend import distopt
 from hora.core.frontend import objects as _objects
+from hora.core.frontend import op_forms as _sp
 from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.torch import ops
 from hora.torch.compression import Compression, Compressor
@@ -44,6 +54,21 @@ _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize(
                     "optimizer.synchronize(). This can cause training slowdown. You may want to "
                     "consider using optimizer.skip_synchronize() context if you use "
                     "optimizer.synchronize() in your code.")
+
+
+_SPARSE = object()  # the compression context of a sparse gradient's allreduce (none)
+
+OVERLAP: bool | None = None
+"""Whether the hooks of CPU gradients start their allreduces during backward: None decides
+(:func:`overlaps`); True or False forces it (tests, benchmarks)."""
+
+
+def overlaps(local_size: int) -> bool:
+    """Whether a rank of ``local_size`` ranks on its host has a core to communicate on while
+    backward computes with ``torch.get_num_threads()`` threads (:data:`OVERLAP` forces it)."""
+    if OVERLAP is not None:
+        return OVERLAP
+    return usable_cpus() >= max(1, local_size) * (torch.get_num_threads() + 1)
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -78,7 +103,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._p_to_group: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {}
         self._group_counts: dict[tuple[torch.Tensor, ...], int] = {}
         self._in_set = bool(process_set.included())
-        elastic = _context.get("DistributedOptimizer").config.elastic
+        ctx = _context.get("DistributedOptimizer")
+        elastic = ctx.config.elastic
+        self._overlap = overlaps(ctx.local_size)  # CPU gradients: see the module docstring
         if self._in_set and (hora.size() > 1 or elastic):
             self._register_hooks(groups)
 
@@ -125,7 +152,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "(backward(create_graph=True)).")
             self._allreduce_delay[p] -= 1
             launched: tuple[Any, Any] = (None, None)
-            if self._allreduce_delay[p] == 0:
+            if self._allreduce_delay[p] == 0 and (self._overlap or p.is_cuda):
                 group = self._p_to_group.get(p)
                 if group is not None:
                     self._group_counts[group] += 1
@@ -144,30 +171,33 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p.grad = torch.zeros_like(p)
         return p.grad
 
-    def _allreduce_grad_async(self, p: torch.Tensor) -> tuple[Any, Any]:
+    def _allreduce_grad_async(self, p: torch.Tensor, sync: bool = False) -> tuple[Any, Any]:
+        """Start ``p``'s allreduce: (a call that waits and returns the result, compression
+        context). ``sync``: the caller waits for it soon (its thread runs it: no hand-off to
+        the lane's thread)."""
         name = self._parameter_names[p]
         grad = self._grad(p)
         if grad.is_sparse and not self.sparse_as_dense:
             return ops.sparse_allreduce_async(grad.coalesce(), name, self.op,
-                                              self.process_set), None
+                                              self.process_set), _SPARSE
         tensor = grad.to_dense() if grad.is_sparse else grad
         compressed, ctx = self._compression.compress(tensor)
         pre, post = distopt.scale_factors(self.op, self.gradient_predivide_factor)
-        handle = ops.allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre,
-                                      postscale_factor=post, process_set=self.process_set)
-        return handle, ctx
+        handle, convert = _sp.ALLREDUCE.submit(ops.TORCH, True, sync, compressed, None, name,
+                                               self.op, pre, post, self.process_set)
+        return partial(_result, handle, convert), ctx
 
-    def _launch_group(self, group: tuple[torch.Tensor, ...]) -> None:
+    def _launch_group(self, group: tuple[torch.Tensor, ...], sync: bool = False) -> None:
         # Unlike Horovod, groups zero-fill missing gradients and honour the predivide factor.
         pairs = [self._compression.compress(g.to_dense() if g.is_sparse else g)
                  for g in (self._grad(p) for p in group)]
         pre, post = distopt.scale_factors(self.op, self.gradient_predivide_factor)
-        handle = ops.grouped_allreduce_async_(
-            [c for c, _ in pairs], name=self._parameter_names[group[0]], op=self.op,
-            prescale_factor=pre, postscale_factor=post, process_set=self.process_set)
+        handle, convert = _sp.GROUPED_ALLREDUCE.submit(
+            ops.TORCH, True, sync, [c for c, _ in pairs], None, self._parameter_names[group[0]],
+            self.op, pre, post, self.process_set)
         for p in group:
             self._handles.pop(p, None)
-        self._handles[group] = (handle, [c for _, c in pairs])
+        self._handles[group] = (partial(_result, handle, convert), [c for _, c in pairs])
         self._group_counts[group] = 0
 
     # ---- public API ----------------------------------------------------------------------------
@@ -185,27 +215,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._in_set:
             self._synchronized = True
             return
+        sync = not self._overlap  # started here, run by this thread as it waits
         for group in self._group_counts:
             if group not in self._handles:
-                self._launch_group(group)
+                self._launch_group(group, sync)
         for p in self._requires_update:
             if p not in self._p_to_group and self._handles.get(p, (None,))[0] is None:
-                self._handles[p] = self._allreduce_grad_async(p)
+                self._handles[p] = self._allreduce_grad_async(p, sync)
         first_error: BaseException | None = None
-        for key, (handle, ctx) in list(self._handles.items()):
+        for key, (wait, ctx) in list(self._handles.items()):
             members = key if isinstance(key, tuple) else (key,)
             for p in members:
                 self._allreduce_delay[p] = self.backward_passes_per_step
             try:
                 if isinstance(key, tuple):
-                    outputs = ops.synchronize(handle)
-                    for p, out, c in zip(key, outputs, ctx):
+                    for p, out, c in zip(key, wait(), ctx):
                         self._write_grad(p, self._compression.decompress(out, c))
-                elif callable(handle):
-                    self._write_grad(key, handle())
+                elif ctx is _SPARSE:  # (its values and indices allgathered: not compressed)
+                    self._write_grad(key, wait())
                 else:
-                    self._write_grad(key, self._compression.decompress(ops.synchronize(handle),
-                                                                       ctx))
+                    self._write_grad(key, self._compression.decompress(wait(), ctx))
             except BaseException as exc:  # noqa: BLE001 - wait for the rest, then raise
                 first_error = first_error or exc
         self._handles.clear()
@@ -272,6 +301,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = passes
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = passes
+
+
+def _result(handle: Any, convert: Any) -> Any:
+    """Wait for a core handle and convert its result (an in-place op: the tensor itself)."""
+    return convert(handle.wait())
 
 
 def _base_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -88,9 +88,25 @@ def _adam(params: Any) -> Any:
     return torch.optim.Adam(params, lr=0.01)
 
 
+def _forced(overlap: bool | list[bool], case: Callable[[Any, Any], None]
+            ) -> Callable[[Any, Any], None]:
+    """``case`` with CPU gradients' allreduces started during backward (True) or from
+    ``synchronize()`` (False), whatever the machine's cores; a list: per rank."""
+    from hora.torch import optimizer
+
+    def forced(hvd: Any, f: Any) -> None:
+        optimizer.OVERLAP = overlap[hvd.rank()] if isinstance(overlap, list) else overlap
+        try:
+            case(hvd, f)
+        finally:
+            optimizer.OVERLAP = None
+    return forced
+
+
 def wrapped_class_and_overlap(hvd: Any, f: Any) -> None:
     """The wrapper is an SGD; allreduces of the last layer start while backward is still
-    computing the first layer's gradients."""
+    computing the first layer's gradients (with a core to spare for them), or are only noted
+    as ready and started by ``step()`` (without)."""
     model = _model()
     opt = hvd.DistributedOptimizer(_sgd(model.parameters()),
                                    named_parameters=model.named_parameters())
@@ -106,7 +122,10 @@ def wrapped_class_and_overlap(hvd: Any, f: Any) -> None:
     x, y = _batch()
     nn.functional.mse_loss(model(x), y).backward()
     assert in_flight == [["2.bias", "2.weight"]], in_flight
+    started = [wait is not None for wait, _ in opt._handles.values()]
+    assert started == [opt._overlap] * 4, (started, opt._overlap)
     opt.step()
+    assert not opt._handles
 
 
 def horovod_style_script(hvd: Any, f: Any) -> None:
@@ -334,7 +353,22 @@ def cases() -> list[tuple[str, Any]]:
     from state_cases import CASES as STATE_CASES
 
     return [
-        ("wrapped_class_and_overlap", wrapped_class_and_overlap),
+        ("wrapped_class_and_overlap", _forced(True, wrapped_class_and_overlap)),
+        ("wrapped_class_deferred", _forced(False, wrapped_class_and_overlap)),
+        ("sgd_momentum_float64_overlap", _forced(True, _equivalence(_sgd, torch.float64, F64))),
+        ("sgd_momentum_float64_deferred", _forced(False, _equivalence(_sgd, torch.float64,
+                                                                      F64))),
+        ("sgd_overlap_on_one_rank_only", _forced([True, False], _equivalence(
+            _sgd, torch.float64, F64))),
+        ("groups_int_deferred", _forced(False, _equivalence(_sgd, torch.float64, F64,
+                                                            groups=2))),
+        ("groups_int_overlap_on_one_rank_only", _forced([False, True], _equivalence(
+            _sgd, torch.float64, F64, groups=2))),
+        ("fp16_compression_deferred", _forced(False, _equivalence(
+            _sgd, torch.float32, {"rtol": 2e-3, "atol": 2e-3},
+            compression=hvd_module.Compression.fp16))),
+        ("backward_passes_per_step_overlap", _forced(True, backward_passes)),
+        ("unused_parameter_overlap", _forced(True, unused_parameter)),
         ("horovod_style_script", horovod_style_script),
         ("sgd_momentum_float64", _equivalence(_sgd, torch.float64, F64)),
         ("adam_float32", _equivalence(_adam, torch.float32, F32)),
