@@ -16,8 +16,7 @@ a segment again (two collectives later) every peer has signalled it in the colle
 between, i.e. has finished reading it. A collective that signals nothing (one rank, empty
 buffers) does not count: it leaves the parity as it is.
 
-Allreduce has three algorithms (:func:`replicated` here, the others in
-:mod:`hora.collectives.shm_allreduce`), picked by
+Allreduce has three algorithms (in :mod:`hora.collectives.shm_allreduce`), picked by
 :func:`hora.collectives.select.select_shm_allreduce` and by whether the buffer is a
 :meth:`ShmGroup.staging` view: ``replicated`` (small buffers, one signal round), ``chunked``
 (large private buffers: owner-computes, pipelined over cache-sized chunk slots) and ``staged``
@@ -33,7 +32,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
 
 import numpy as np
 
@@ -49,7 +47,7 @@ from hora.collectives._buffers import (
     offsets,
 )
 from hora.collectives.comm import U8, Fabric
-from hora.collectives.ops import REDUCIBLE, UFUNCS, ReduceOp, reduce_inplace, scale_inplace
+from hora.collectives.ops import REDUCIBLE, ReduceOp, reduce_inplace, scale_inplace
 from hora.collectives.select import (
     SHM_CHUNK_BYTES,
     SHM_CHUNK_BYTES_OVERSUBSCRIBED,
@@ -57,62 +55,12 @@ from hora.collectives.select import (
     SHM_SMALL_ALLREDUCE_BYTES,
     shm_replicated_bytes,
 )
-from hora.collectives.shm_allreduce import sync, view
+from hora.collectives.shm_allreduce import Parts, SegmentViews, replicated, sync, view
 from hora.errors import MismatchError, TransportError
 
 _SUM, _AVERAGE = ReduceOp.Sum, ReduceOp.Average  # (enum members through their class: slow)
 
 _TABLE_ALIGN = 64
-
-
-SegmentViews = list[tuple[U8, int, Any, Array] | None]
-"""A group's views of its segments for :func:`replicated`: one slot per parity and rank
-(``parity * size + rank``), each ``(segment array, nbytes, dtype, view)``."""
-
-
-def replicated(fabric: Fabric, buf: Array, op: ReduceOp, parity: int, src: Array | None = None,
-               postscale: float = 1.0, views: SegmentViews | None = None) -> None:
-    """The shared-memory allreduce of small buffers (one signal round): copy this rank's input
-    into its segment, signal, and fold every rank's copy into ``buf`` in rank order, the same
-    bytes on every rank; then multiply by ``postscale``. ``src``: this rank's input when it is
-    not in ``buf``. ``views``: the caller's views of the segments, kept from op to op (a view
-    is made again when its segment was remapped, or the size or dtype changed: slicing and
-    viewing cost more than the 4 KiB reduction). Here rather than in
-    :mod:`hora.collectives.shm_allreduce` with the other algorithms because it is the small
-    allreduce of every fast-lane step: written out with as few calls as it takes."""
-    nbytes, dtype, rank, size = buf.nbytes, buf.dtype, fabric.rank, fabric.size
-    data = buf if src is None else src
-    if views is None:
-        views = [None] * (2 * size)
-    k = parity * size
-    base = fabric.reserve(parity, nbytes)
-    v = views[k + rank]
-    if v is None or v[0] is not base or v[1] != nbytes or v[2] is not dtype:
-        v = views[k + rank] = (base, nbytes, dtype, base[:nbytes].view(dtype))
-    mine = v[3]
-    mine[...] = data
-    fabric.wait_all(fabric.post())
-    ufunc = UFUNCS[op]
-    if ufunc is np.add and dtype.kind == "b":  # (bool)
-        ufunc = np.logical_or
-    # ((x0 op x1) op x2) ... on every rank: the same bytes everywhere
-    first = data
-    for j in range(size):
-        if j == rank:
-            other = mine
-        else:
-            base = fabric.peer(j, parity, nbytes)
-            v = views[k + j]
-            if v is None or v[0] is not base or v[1] != nbytes or v[2] is not dtype:
-                v = views[k + j] = (base, nbytes, dtype, base[:nbytes].view(dtype))
-            other = v[3]
-        if j == 0:
-            first = data if rank == 0 else other
-        else:
-            ufunc(first, other, out=buf)
-            first = buf
-    if postscale != 1.0:
-        scale_inplace(buf, postscale)
 
 
 class _Collective:
@@ -295,13 +243,57 @@ class ShmGroup:
             elif choice == "replicated":
                 replicated(self._fabric, buf, op, parity, src, postscale, self._views)
             else:
-                chunk = (nbytes if nbytes <= SHM_ONE_CHUNK_BYTES else SHM_CHUNK_BYTES
-                         if self._size <= self._cores else SHM_CHUNK_BYTES_OVERSUBSCRIBED)
-                shm_allreduce.chunked(self._fabric, buf, op, parity, chunk, src, postscale)
+                shm_allreduce.chunked(self._fabric, buf, op, parity, self._chunk(nbytes), src,
+                                      postscale)
         except BaseException as exc:
             self._fail(exc)
             raise
         self._parity = parity ^ 1  # every algorithm above signalled
+
+    def _chunk(self, nbytes: int) -> int:
+        return (nbytes if nbytes <= SHM_ONE_CHUNK_BYTES else SHM_CHUNK_BYTES
+                if self._size <= self._cores else SHM_CHUNK_BYTES_OVERSUBSCRIBED)
+
+    def allreduce_parts(self, dsts: Sequence[Array], op: ReduceOp, *,
+                        srcs: Sequence[Array | None] | None = None,
+                        postscale: float = 1.0) -> None:
+        """:meth:`allreduce` of the concatenation of ``dsts`` without packing it into one
+        buffer (the ``chunked`` algorithm over the arrays where they live): the result of each
+        is written into ``dsts[i]``, its input read from ``srcs[i]`` (None, or an item None: the
+        array itself, in place; else the same size, not overlapping it). 1-D C-contiguous
+        arrays of one dtype. Raises as :meth:`allreduce`."""
+        srcs = list(srcs) if srcs is not None else [None] * len(dsts)
+        for d, x in zip(dsts, srcs, strict=True):
+            check_array(d, "allreduce output", writable=True)
+            check_same_dtype(d, "allreduce output", dsts[0], "the first output")
+            if x is not None:
+                check_array(x, "allreduce input", writable=False)
+                check_same_dtype(x, "allreduce input", d, "its output")
+                if x.size != d.size:
+                    raise ValueError(f"allreduce input has {x.size} elements, its output "
+                                     f"{d.size}")
+        if dsts:
+            check_reducible(dsts[0], "allreduce output")
+        if op is not _SUM and op is not _AVERAGE:
+            op = elementwise_op(op)
+        parts = Parts(dsts, srcs)
+        if self._staged is not None or self._broken is not None:
+            self._collective()  # raises for a broken group or a staging view not used here
+        if self._size == 1 or parts.size == 0:  # nothing signalled: the parity stays
+            for d, x in zip(parts.dsts, parts.srcs):
+                if x is not d:
+                    np.copyto(d, x)
+                scale_inplace(d, postscale)
+            return
+        parity = self._parity
+        try:
+            shm_allreduce.chunked_parts(self._fabric, parts, op, parity,
+                                        self._chunk(parts.size * parts.dtype.itemsize),
+                                        postscale)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self._parity = parity ^ 1
 
     # ---- other collectives ---------------------------------------------------------------------
     def allgather(self, sendbuf: Array, counts: Sequence[int], out: Array) -> None:

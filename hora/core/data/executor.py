@@ -21,8 +21,8 @@ from hora.collectives.comm import Comm, SubComm
 from hora.collectives.ops import SUPPORTED_DTYPES as DTYPES
 from hora.collectives.ops import ReduceOp, scale_inplace, to_dtype
 from hora.config import Config
-from hora.core.data import aligned, device_exec, paths
-from hora.core.data.device_exec import holds_device, reducescatter_rows, stage
+from hora.core.data import aligned, device_exec, host_forms, paths
+from hora.core.data.device_exec import holds_device, stage
 from hora.core.data.routing import Route, SetSite, close_quietly
 from hora.core.op.entry import Buffer, Entry
 from hora.core.op.messages import ERROR_DEADLOCK, ERROR_SHUTDOWN, ERROR_STALL, OpKind, Response
@@ -268,6 +268,10 @@ class Executor:
                 device_exec.allreduce(plane, resp, local, like,
                                       self._scratch_for(total * dtype.itemsize), self._done)
                 return
+            if not single and resp.prescale == 1.0 and not resp.joined \
+                    and route.takes_parts(total * dtype.itemsize, resp.op):
+                self._allreduce_parts(route, resp, local, dtype)  # no fusion buffer
+                return
             src = None  # the input, when the collective reads it from there (no copy in)
             if single:
                 entry = local[0]
@@ -335,51 +339,32 @@ class Executor:
             self.unfinished.extend(e for e in local if e is not None)  # see execute()
             raise
 
-    # The host forms of the collectives other than allreduce (:data:`_FORMS`): host arrays,
-    # over any route. Their device forms are :mod:`hora.core.data.device_exec`'s.
-    def _allgather(self, route: Route, resp: Response, entry: Entry) -> Buffer:
-        x = _host(entry.tensor)
-        row = int(np.prod(x.shape[1:], dtype=np.int64))
-        dims = resp.first_dims[0]
-        out = aligned.empty((sum(dims),) + tuple(x.shape[1:]), x.dtype)
-        route.allgather(x.reshape(-1), [d * row for d in dims], out.reshape(-1))
-        return out
-
-    def _broadcast(self, route: Route, resp: Response, entry: Entry) -> Buffer:
-        root = self.root_index(resp)
-        x = _host(entry.tensor)
-        out = _host(entry.output) if entry.output is not None else aligned.empty_like(x)
-        if out is not x:
-            np.copyto(out, x)
-        route.broadcast(out.reshape(-1), root)
-        return out
-
-    def _alltoall(self, route: Route, resp: Response,
-                  entry: Entry) -> tuple[Buffer, np.ndarray]:
-        comm = route.comm
-        x = _host(entry.tensor)
-        row = int(np.prod(x.shape[1:], dtype=np.int64))
-        matrix = resp.splits[0]
-        me = comm.rank
-        send = [s * row for s in matrix[me]]
-        recv_rows = [matrix[j][me] for j in range(comm.size)]
-        out = aligned.empty((sum(recv_rows),) + tuple(x.shape[1:]), x.dtype)
-        route.alltoall(x.reshape(-1), send, out.reshape(-1), [r * row for r in recv_rows])
-        return out, np.asarray(recv_rows, dtype=np.int32)
-
-    def _reducescatter(self, route: Route, resp: Response, entry: Entry) -> Buffer:
-        comm = route.comm
-        rows = reducescatter_rows(entry.tensor.shape[0], comm.size)
-        x = _host(entry.tensor)
-        row = int(np.prod(x.shape[1:], dtype=np.int64))
-        buf = x.reshape(-1).copy()
-        scale_inplace(buf, resp.prescale)
-        out = aligned.empty((rows[comm.rank],) + tuple(x.shape[1:]), x.dtype)
-        route.reducescatter(buf, [r * row for r in rows], _OPS[resp.op], out.reshape(-1),
-                            self._scratch_for(buf.nbytes))
-        postscale = resp.postscale / (comm.size if resp.op == ReduceOp.Average else 1)
-        scale_inplace(out, postscale)
-        return out
+    def _allreduce_parts(self, route: Route, resp: Response, local: list[Entry | None],
+                         dtype: np.dtype[Any]) -> None:
+        """A fused allreduce of host arrays without a fusion buffer: each op's input read, and
+        its result written, where it lives (:meth:`Route.allreduce_parts`)."""
+        srcs: list[np.ndarray | None] = []
+        dsts: list[np.ndarray] = []
+        for entry, shape in zip(local, resp.shapes):
+            assert entry is not None, "a joined rank's response is packed"
+            x = _host(entry.tensor)
+            if entry.output is None:
+                entry.output = aligned.empty(shape, dtype)
+            out = _host(entry.output)
+            if out is not x and _may_share_memory(out, x):
+                np.copyto(out, x)
+            srcs.append(None if out is x or _may_share_memory(out, x) else x.reshape(-1))
+            dsts.append(out.reshape(-1))
+        recording = self._recordable and self._tl.recording
+        if recording:
+            self._tl.activity_start_all(resp.names, collective_activity(route.name, resp.kind))
+        route.allreduce_parts(dsts, _OPS[resp.op], srcs, resp.postscale / route.comm.size
+                              if resp.op == _AVERAGE else resp.postscale)
+        for name, entry, shape in zip(resp.names, local, resp.shapes):
+            if recording:
+                self._tl.op_end(name, resp.dtype, shape)
+            assert entry is not None
+            _complete(entry, entry.output)
 
     def root_index(self, resp: Response) -> int:
         """A broadcast's root as an index into its set's members."""
@@ -423,17 +408,18 @@ class Executor:
         _complete(entry, result)
 
 
-HostForm = Callable[[Executor, Route, Response, Entry], Any]
+HostForm = Callable[[device_exec.Site, Route, Response, Entry], Any]
 
 _FORMS: dict[OpKind, tuple[HostForm, device_exec.Form]] = {
-    OpKind.ALLGATHER: (Executor._allgather, device_exec.allgather),
-    OpKind.BROADCAST: (Executor._broadcast, device_exec.broadcast),
-    OpKind.ALLTOALL: (Executor._alltoall, device_exec.alltoall),
-    OpKind.REDUCESCATTER: (Executor._reducescatter, device_exec.reducescatter),
+    OpKind.ALLGATHER: (host_forms.allgather, device_exec.allgather),
+    OpKind.BROADCAST: (host_forms.broadcast, device_exec.broadcast),
+    OpKind.ALLTOALL: (host_forms.alltoall, device_exec.alltoall),
+    OpKind.REDUCESCATTER: (host_forms.reducescatter, device_exec.reducescatter),
 }
 """The one dispatch of the data path by op kind, for every collective but allreduce (which
 fuses, :meth:`Executor._allreduce`) and the control ops: (host form, device form). A new
-collective is one row here, its host form and its device form."""
+collective is one row here, its host form (:mod:`hora.core.data.host_forms`) and its device
+form."""
 
 
 def _complete(entry: Entry, result: Any) -> None:

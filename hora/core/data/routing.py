@@ -163,6 +163,20 @@ class Route:
         self._allreduce(buf, op, scratch, counts)
         scale_inplace(buf, postscale)
 
+    def takes_parts(self, nbytes: int, op: int) -> bool:
+        """Whether :meth:`allreduce_parts` takes a fused allreduce of ``nbytes`` with ``op``
+        (the same answer on every member): an element-wise op over this set's shared memory."""
+        return op != _ADASUM and self.group is not None and self._shm_fits(nbytes)
+
+    def allreduce_parts(self, dsts: Sequence[np.ndarray], op: ReduceOp,
+                        srcs: Sequence[np.ndarray | None], postscale: float = 1.0) -> None:
+        """Reduce several 1-D arrays as one buffer without packing them (where
+        :meth:`takes_parts`): the results in ``dsts``, the inputs read from ``srcs`` (an item
+        None: the output itself), then multiplied by ``postscale``
+        (:meth:`~hora.collectives.shm.ShmGroup.allreduce_parts`)."""
+        assert self.group is not None
+        self.group.allreduce_parts(dsts, op, srcs=srcs, postscale=postscale)
+
     def _allreduce(self, buf: np.ndarray, op: ReduceOp, scratch: np.ndarray,
                    counts: Sequence[int] | None) -> None:
         """The paths other than one host's shared memory (which :meth:`allreduce` takes for
