@@ -31,7 +31,7 @@ from hora.core.engine.cross_host import (
 )
 from hora.core.engine.cross_link import CrossCache
 from hora.core.op.messages import MSG_RESPONSES, OpKind, Request, Response, decode, encode
-from hora.errors import ProtocolError
+from hora.errors import PeerLostError, ProtocolError
 
 
 def _resp(name: str, shape: list[int] | None = None, **kw: object) -> Response:
@@ -227,7 +227,7 @@ def test_a_decision_cannot_overtake_a_response() -> None:
     assert [k for _, k, _ in left] == [MSG_RESPONSES] and left[0][0] == 0
     assert cache.take(2, encode(MSG_RELAY_END)) == []  # the relay ends: the decision runs
     assert runs.ran == [["x"]]
-    assert cache.left(2)  # the leader's link may close now: not a failure
+    assert cache.lost(PeerLostError("gone", peer=2))  # the leader left: not a failure
     assert cache.take(0, encode("hb")) != []  # heartbeats are never held
 
 
@@ -259,3 +259,18 @@ def test_a_leader_forwards_before_it_runs_and_combines_its_hosts_marks() -> None
     decision = encode(MSG_CACHE_DECIDE, groups=[[0]], inval=[])
     cache.take(0, frame([3, 4], True, decision))
     assert runs.ran == [["x"]]
+
+
+def test_gate_keeps_rank0s_loss_behind_its_relayed_messages() -> None:
+    gate = RelayGate(True)
+    assert gate.lost(PeerLostError("rank 0 gone", peer=0), leader=2)  # not yet a failure
+    assert gate.direct((0, "shutdown", {})) == []
+    assert gate.end() == [(0, "shutdown", {})]  # a clean shutdown: no error
+    gate = RelayGate(True)
+    gate.lost(PeerLostError("rank 0 gone", peer=0), leader=2)
+    assert gate.end() == [(0, "abort", {"reason": "rank 0 gone"})]  # gone without a word
+    gate = RelayGate(True)
+    gate.lost(PeerLostError("rank 0 gone", peer=0), leader=2)
+    with pytest.raises(PeerLostError, match="rank 0 gone"):
+        gate.lost(PeerLostError("leader gone", peer=2), leader=2)  # rank 0 named, not 2
+    assert not RelayGate(False).lost(PeerLostError("x", peer=0), leader=2)

@@ -8,7 +8,8 @@ learned again), join (one rank joins while the others reduce a cached name), mis
 changes the shape of a cached name), deadlock (ranks wait on different cached names), death
 (the last rank exits during a cached cycle), stall (the last rank submits a cached name 4 s
 late), marked_death RANK (RANK marks a cached name, then dies before the others mark it: a host's
-rank, or its leader). The test chooses the hosts (``HORA_HOSTNAME``): one rank per host, or
+rank, or its leader), early_exit RANK (RANK calls shutdown() after a few cached cycles while the
+others go on). The test chooses the hosts (``HORA_HOSTNAME``): one rank per host, or
 2 hosts x 2 ranks.
 """
 
@@ -109,6 +110,20 @@ def main(case: str) -> None:  # noqa: C901
                       f"{exc}", flush=True)
                 hora.shutdown()
                 return
+        elif case == "early_exit":
+            victim = int(sys.argv[2])
+            for _ in range(3):
+                hora.allreduce(np.ones(4, np.float32), name="e")
+            hora.barrier()
+            if rank == victim:
+                hora.shutdown()  # leaves cleanly while the others go on
+                print(f"LEFT {rank} cleanly", flush=True)
+                return
+            time.sleep(0.5)
+            try:
+                hora.allreduce(np.ones(4, np.float32), name="e")
+            except Exception as exc:  # noqa: BLE001
+                print(f"ERR {rank} {type(exc).__name__}: {exc}", flush=True)
         elif case == "death":
             for _ in range(3):
                 hora.allreduce(np.ones(4, np.float32), name="d")

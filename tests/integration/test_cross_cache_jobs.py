@@ -146,3 +146,16 @@ def test_2x2_death_between_marking_and_deciding_fails_the_others(victim: int) ->
     assert sorted(err) == sorted({0, 1, 2, 3} - {victim}), results
     for text in err.values():
         assert f"rank {victim}" in text, text
+
+
+@pytest.mark.parametrize("victim", [3, 2, 1], ids=["a rank", "a leader", "rank 0's leader"])
+def test_2x2_a_rank_leaving_early_is_a_clean_shutdown(victim: int) -> None:
+    """A rank (or a host's leader: the relay ends, its ranks hear rank 0 directly) calls
+    shutdown() while the others go on: their next op fails with ShutdownError, never with a
+    lost connection, and nothing hangs."""
+    results = run22("early_exit", str(victim))
+    assert sorted(lines(results, "LEFT")) == [victim], results
+    err = lines(results, "ERR")
+    assert sorted(err) == sorted({0, 1, 2, 3} - {victim}), results
+    for text in err.values():
+        assert text.startswith("ShutdownError"), text

@@ -140,6 +140,10 @@ class SlotTable:
     def slot_of(self, set_id: int, name: str) -> int | None:
         return self._by_name.get((set_id, name))
 
+    def slots(self) -> list[int]:
+        """Every slot in the table, ascending."""
+        return sorted(self._slots)
+
     def holds(self, slot: int) -> bool:
         """Whether ``slot`` is in the table (not invalidated, not unknown)."""
         return slot in self._slots

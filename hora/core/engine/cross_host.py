@@ -41,8 +41,8 @@ from collections import deque
 from collections.abc import Callable, Set
 from typing import Any
 
-from hora.core.op.messages import MSG_SHUTDOWN, decode
-from hora.errors import HoraTimeoutError, PeerLostError, ProtocolError, TransportError
+from hora.core.op.messages import MSG_ABORT, MSG_SHUTDOWN, decode
+from hora.errors import HoraError, HoraTimeoutError, PeerLostError, ProtocolError, TransportError
 from hora.transports.base import Transport
 
 MSG_RELAY_END = "cend"
@@ -207,6 +207,18 @@ def unframe(data: bytes) -> tuple[list[int], bool, bytes] | None:
     return to, me, data[end + 1:]
 
 
+def forward(transport: Transport, to: list[int], payload: bytes, left: Set[int]) -> None:
+    """A leader passes rank 0's ``payload`` on to ``to`` (but the ranks that left). A rank
+    whose link fails here left (its goodbye not read yet) or died: its link's close is
+    reported when it is read, unless it said goodbye, so the send's error is not raised."""
+    for peer in to:
+        if peer not in left:
+            try:
+                transport.send_control(peer, payload)
+            except HoraError:
+                pass
+
+
 def forward_until_end(transport: Transport, left: set[int], wait: float) -> None:
     """A leader leaving: forward rank 0's frames to the host's ranks (not to those in ``left``,
     the ranks that left; updated here) until rank 0 ends the host's relay, shuts down or is
@@ -225,9 +237,7 @@ def forward_until_end(transport: Transport, left: set[int], wait: float) -> None
         framed = unframe(payload)
         if framed is not None:
             to, _, payload = framed
-            for peer in to:
-                if peer not in left:
-                    transport.send_control(peer, payload)
+            forward(transport, to, payload, left)
         kind = decode(payload)[0]
         if sender == 0 and kind in (MSG_RELAY_END, MSG_SHUTDOWN):
             return
@@ -320,6 +330,24 @@ class RelayGate:
     def __init__(self, relayed: bool) -> None:
         self.on = relayed
         self._held: deque[Item] = deque()
+        self._lost0: PeerLostError | None = None
+
+    def lost(self, exc: PeerLostError, leader: int) -> bool:
+        """A control connection closed while the relay may be on: rank 0's is no failure yet
+        (its last messages, a shutdown among them, may still come through the leader: the loss
+        counts after them, at the relay's end, or when the leader's link closes too).
+
+        Raises:
+            PeerLostError: rank 0's loss, when the leader's link closed after it.
+        """
+        if not self.on:
+            return False
+        if exc.peer == 0:
+            self._lost0 = exc
+            return True
+        if exc.peer == leader and self._lost0 is not None:
+            raise self._lost0
+        return False
 
     def direct(self, item: Item) -> list[Item]:
         """A message straight from rank 0: what to handle now."""
@@ -333,7 +361,20 @@ class RelayGate:
         self.on = False
         held = list(self._held)
         self._held.clear()
+        if self._lost0 is not None and all(kind != MSG_SHUTDOWN for _, kind, _ in held):
+            held.append((0, MSG_ABORT, {"reason": str(self._lost0)}))  # rank 0 is gone
         return held
+
+
+def goodbye(cross: Any, say_goodbye: Callable[[], None], rank0: bool) -> None:
+    """The engine's goodbye with a :class:`~hora.core.engine.cross_link.CrossCache` (or None):
+    rank 0 ends the relays before its own goodbye; a leader relays after its own until rank 0
+    ended its host's relay (``CrossCache.leave``)."""
+    if cross is not None and rank0:
+        cross.leave()
+    say_goodbye()
+    if cross is not None and not rank0:
+        cross.leave()
 
 
 class OrderedTransport:
@@ -350,4 +391,6 @@ class OrderedTransport:
 
 
 __all__ = ["MSG_LOCAL_BYE", "MSG_RELAY_END", "HostLayout", "Item", "OrderedTransport", "Relay",
-           "RelayGate", "control_links", "forward_until_end", "frame", "open_links", "unframe"]
+           "RelayGate", "control_links", "forward", "forward_until_end", "frame", "goodbye",
+           "open_links",
+           "unframe"]

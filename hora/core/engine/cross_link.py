@@ -25,15 +25,8 @@ leaders, the links between a host's ranks and rank 0's relay are
 * :meth:`CrossCache.leave` (the engine's goodbye): rank 0 ends every host's relay first; a
   leader forwards until rank 0 ended its host's relay; another rank tells its leader it leaves.
 
-**One order.** Every message rank 0 sends that must keep its place (responses of any set,
-decisions, invalidations, fast-lane closes, tunables) reaches a rank through its host's leader
-while that leader is there (the :class:`~hora.core.engine.cross_host.Relay`), so each rank
-hears them on one FIFO path and runs negotiated responses and cached decisions in rank 0's
-order; nothing is numbered, because nothing can overtake. (Numbering rank 0's batches and
-holding early ones would let decisions alone take the relay, but responses of other process
-sets go to some ranks only, so each rank's place in the sequence would have to travel per rank
-in every decision: O(ranks) per cycle again.) When a host's relay ends, messages straight from
-rank 0 are held until the relay's last frame has come (:class:`~.cross_host.RelayGate`).
+**One order**: everything rank 0 sends in order reaches a rank through its host's leader, one
+FIFO path, so nothing can overtake (:mod:`~hora.core.engine.cross_host` says why not numbers).
 
 **Invalidation** drops the slot on every rank; a rank whose op marked the slot sends it to
 rank 0 as a request (rank 0 adds its own to the coordinator), so the coordinator sees every
@@ -76,6 +69,7 @@ from hora.core.engine.cross_host import (
     Relay,
     RelayGate,
     control_links,
+    forward,
     forward_until_end,
     open_links,
     unframe,
@@ -91,7 +85,7 @@ from hora.core.op.messages import (
     decode,
     encode,
 )
-from hora.errors import HoraError, ProtocolError
+from hora.errors import HoraError, PeerLostError, ProtocolError
 from hora.transports.base import Transport
 
 log = get_logger(__name__)
@@ -152,13 +146,15 @@ class CrossCache:
             self._rank0 = CacheCoordinator(len(layout.hosts))
             responses.send_ordered = self.relay.send
         self._suspended = False  # rank 0: a join is in progress
-        self._off = False  # rank 0: a rank said goodbye
+        self._off = False  # a rank said goodbye: no more marks, no more slots (every rank)
         limit = config.deadlock_time_seconds or config.stall_check_time_seconds
         self._patience = max(0.25, min(limit, config.stall_check_time_seconds) / 2)
 
     # ---- every rank ---------------------------------------------------------------------------
     def submit(self, requests: list[Request]) -> list[Request]:
         """Mark this rank's hits; returns the requests to negotiate."""
+        if self._off:
+            return requests
         misses: list[Request] = []
         bits = 0
         for req in requests:
@@ -177,8 +173,13 @@ class CrossCache:
                 self._rounds.mark(self._rank, bits)
                 self._report()
             else:
-                self._transport.send_control(self._leader,
-                                             encode(MSG_CACHE_MARK, bits=encode_bits(bits)))
+                try:
+                    self._transport.send_control(self._leader, encode(
+                        MSG_CACHE_MARK, bits=encode_bits(bits)))
+                except HoraError:
+                    # The leader left (its goodbye's "off" is in our inbox and invalidates
+                    # these slots) or died (its link's close is reported when we read it).
+                    pass
         return misses
 
     def _report(self) -> None:
@@ -203,9 +204,7 @@ class CrossCache:
         framed = unframe(payload)
         if framed is not None:  # a leader: rank 0's frame for this host
             to, me, payload = framed
-            for peer in to:
-                if peer not in self._left:
-                    self._transport.send_control(peer, payload)
+            forward(self._transport, to, payload, self._left)
             if not me:
                 return []
         kind, body = decode(payload)
@@ -232,9 +231,14 @@ class CrossCache:
     def _receive_all(self, items: list[Item]) -> list[Item]:
         return [item for item in items if not self.receive(*item)]
 
-    def left(self, peer: int) -> bool:
-        """Whether ``peer``'s host link closed after it left cleanly (not a failure)."""
-        return peer in self._left
+    def lost(self, exc: PeerLostError) -> bool:
+        """A control connection closed: True when that is no failure (now): the far end of a
+        host link left cleanly, or rank 0's while the relay is on (:meth:`RelayGate.lost`).
+
+        Raises:
+            PeerLostError: rank 0's loss, kept until the leader's link closed as well.
+        """
+        return exc.peer in self._left or self._relayed and self._gate.lost(exc, self._leader)
 
     def receive(self, sender: int, kind: str, body: dict[str, Any]) -> bool:
         """Look at one control message; True when it was the cache's (the engine skips it).
@@ -253,9 +257,10 @@ class CrossCache:
                 return True
             if kind == MSG_REQUESTS:
                 self._watch_requests(body["reqs"])
-            elif kind == MSG_BYE:
-                self._off = True
-                self._invalidate(self._rank0.pending())
+            elif kind == MSG_BYE:  # off on every rank: its marks could go to a leader gone
+                if not self._off:
+                    self._off = True
+                    self._invalidate(self._rank0.pending(), off=True)
                 host = self.layout.host_of[sender]
                 if self.layout.leaders[host] == sender and self.relay is not None:
                     self.relay.end(host, encode(MSG_RELAY_END))  # its ranks: straight from now
@@ -271,7 +276,7 @@ class CrossCache:
         return False
 
     def _learn(self, resp: Response) -> None:
-        if resp.set_id == _SET:
+        if resp.set_id == _SET and not self._off:
             self._table.learn(resp)
 
     def leave(self) -> None:
@@ -301,6 +306,10 @@ class CrossCache:
             req = self._marked.pop(slot, None)
             if req is not None:
                 again.append(req)
+        if body.get("off") is True:  # a rank left: the cache is over, everything negotiated
+            self._off = True
+            again += self._marked.values()
+            self._marked.clear()
         if self._rounds is not None and inval:
             self._rounds.drop(inval)
         if again:  # negotiated after all: the coordinator sees every rank's request
@@ -349,6 +358,8 @@ class CrossCache:
         return bool(late)
 
     def _watch_requests(self, requests: list[Request]) -> None:
+        if self._off:
+            return
         stale = []
         for req in requests:
             if req.set_id != _SET:
@@ -405,9 +416,9 @@ class CrossCache:
             self._marked.pop(slot, None)
         self._responses.execute(fused)
 
-    def _invalidate(self, slots: list[int]) -> None:
+    def _invalidate(self, slots: list[int], off: bool = False) -> None:
         assert self._rank0 is not None and self._coordinator is not None
-        if not slots:
+        if not slots and not off:
             return
         self._rank0.invalidate(slots)
         again = []
@@ -416,9 +427,13 @@ class CrossCache:
             req = self._marked.pop(slot, None)
             if req is not None:
                 again.append(req)
+        if off:
+            again += self._marked.values()
+            self._marked.clear()
         if self._rounds is not None:
             self._rounds.drop(slots)
-        self._send_all(encode(MSG_CACHE_DECIDE, groups=[], inval=slots))
+        self._send_all(encode(MSG_CACHE_DECIDE, groups=[], inval=slots, **(
+            {"off": True} if off else {})))
         if again:
             self._coordinator.add(again)
 
@@ -427,14 +442,4 @@ class CrossCache:
         self.relay.send_all(message)
 
 
-def goodbye(cross: CrossCache | None, say_goodbye: Callable[[], None], rank0: bool) -> None:
-    """The engine's goodbye: rank 0 ends the cache's relays before its own goodbye; a leader
-    relays after its own until rank 0 ended its host's relay (:meth:`CrossCache.leave`)."""
-    if cross is not None and rank0:
-        cross.leave()
-    say_goodbye()
-    if cross is not None and not rank0:
-        cross.leave()
-
-
-__all__ = ["CrossCache", "goodbye"]
+__all__ = ["CrossCache"]

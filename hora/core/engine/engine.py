@@ -46,8 +46,8 @@ from hora.core.autotune.autotune import Tuning
 from hora.core.data.executor import Executor
 from hora.core.engine import affinity, trace
 from hora.core.engine.coordinator import Coordinator
-from hora.core.engine.cross_host import OrderedTransport
-from hora.core.engine.cross_link import CrossCache, goodbye
+from hora.core.engine.cross_host import OrderedTransport, goodbye
+from hora.core.engine.cross_link import CrossCache
 from hora.core.engine.deadlock import WaitReports, close_lanes
 from hora.core.engine.dispatch import Responses
 from hora.core.engine.liveness import Liveness, RemoteAbort
@@ -368,7 +368,7 @@ class Engine:
                 msg = self.transport.recv_control(timeout)
             except PeerLostError as exc:
                 if exc.peer is not None and (exc.peer in self._departed or self._cross
-                                             is not None and self._cross.left(exc.peer)):
+                                             is not None and self._cross.lost(exc)):
                     continue  # it said goodbye first: a clean exit
                 raise
             if msg is None:
