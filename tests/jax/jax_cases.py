@@ -277,6 +277,10 @@ def jit_inplace_computed(hvd: Any) -> None:
     got, same = kept(x)
     _eq([got["big"], same], [want, _x(r, (300, 128)) * 3],
         "a computed lone leaf used after the op keeps its value (jit)")
+    twice = jax.jit(lambda a: hvd.allreduce({"p": a * 3, "q": a * 3, "r": (a * 3)[::-1]},
+                                            op=hvd.Sum, name="inplace.twice"))
+    got = twice(x)  # one computed value (CSE'd) aliased to two results: XLA copies one first
+    _eq(got, {"p": want, "q": want, "r": want[::-1]}, "one computed value as two lone leaves")
     batched = jax.jit(jax.vmap(lambda a: reduce(a, "inplace.vmap")["big"]))(
         jnp.stack([x, x * 2]))
     _eq(batched, np.stack([want, 2 * want]), "a computed lone leaf (jit, vmap)")
