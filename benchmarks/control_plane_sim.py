@@ -27,15 +27,21 @@ Measured per N:
   process sets (:mod:`hora.core.engine.context`, one set ``[0, 1]``) through the same store:
   when the last rank is done, and the most store requests one rank made for it.
 * **uncached cycle**: every rank sends rank 0 a request for the same named 4 KiB allreduce and
-  waits for the response; rank 0's CPU time per cycle (its thread's ``thread_time``) and the
-  wall time per cycle.
+  waits for the response; rank 0 parses each, runs the coordinator and sends the response list
+  as the engine does, through the hosts' leaders (one frame per host,
+  :class:`~hora.core.engine.cross_host.Relay`); every rank receives it through the engine's
+  :meth:`~hora.core.engine.cross_link.CrossCache.take` (a leader forwards it first). Rank 0's
+  CPU time per cycle (its thread's ``thread_time``) and the wall time per cycle.
 * **cached cycle** (:mod:`hora.core.engine.cross_cache`): the name holds a slot on every rank;
-  each rank marks it ready, each host's leader ANDs its ranks' bits (in-process here, standing
-  in for the shared-memory board) and sends rank 0 one ``cbits`` message; rank 0 decides and
-  sends each leader one ``cdec`` message, which the leader relays to its ranks, and every rank
-  rebuilds the response from its slot table. Rank 0's CPU time per cycle and wall time.
-  ``--per-rank-marks``: every rank sends rank 0 its own ``cbits`` and gets its own ``cdec``, as
-  :mod:`hora.core.engine.cross_link` does today (no shared-memory step within a host).
+  every rank runs the engine's own code: its :class:`~hora.core.engine.cross_link.CrossCache`
+  (built by ``CrossCache.for_job``, the host links of :mod:`hora.core.engine.cross_host`
+  included: abstract Unix sockets between a simulated host's threads) marks the hit
+  (``submit``), and its receive step (``take``) does the rest: each host's leader counts its
+  ranks' marks and sends rank 0 one ``cbits``; rank 0 decides and sends each leader one frame,
+  which the leader forwards; every rank rebuilds the response from its slot table (nothing runs
+  a data collective). Rank 0's CPU time per cycle and wall time.
+  ``--per-rank-marks``: ``CrossCache.for_job(per_rank=True)``, every rank its own host: every
+  rank sends rank 0 its own ``cbits`` and gets its own ``cdec`` (the engine before host links).
 """
 
 from __future__ import annotations
