@@ -55,8 +55,9 @@ def unshared(tensor: tf.Tensor) -> tf.Tensor:
     ``first_n=0``) passes the buffer on unchanged and keeps Grappler from folding the snapshot
     of a constant gradient into a constant, whose one buffer every run would then hand out.
     """
-    held = tf.raw_ops.Print(input=tensor, data=[], message="", first_n=0, summarize=0)
-    return tf.raw_ops.Snapshot(input=held)
+    with tf.device("/device:CPU:0"):  # where the host call reads it (Print has no GPU kernel)
+        held = tf.raw_ops.Print(input=tensor, data=[], message="", first_n=0, summarize=0)
+        return tf.raw_ops.Snapshot(input=held)
 
 
 class GradientReducer:
