@@ -3,7 +3,9 @@
 :func:`DistributedOptimizer` returns an ``optax.GradientTransformation``: its ``update``
 allreduces the gradient pytree (one fused group, or ``groups`` groups) and hands the result to
 the wrapped transformation. It works eagerly and inside a jitted train step (the allreduce is a
-host callback named at trace time: the same names every step). With
+host callback named at trace time: the same names every step; the large gradients the step
+computes are reduced in place, in XLA's own buffers, and the small ones packed into one buffer:
+:mod:`hora.jax.packed`). With
 ``backward_passes_per_step=k`` gradients are accumulated locally for ``k`` calls
 (``optax.MultiSteps``: their mean) and reduced and applied on every k-th call only.
 
