@@ -21,7 +21,9 @@ Allreduce has three algorithms (in :mod:`hora.collectives.shm_allreduce`), picke
 :meth:`ShmGroup.staging` view: ``replicated`` (small buffers, one signal round), ``chunked``
 (large private buffers: owner-computes, pipelined over cache-sized chunk slots) and ``staged``
 (the buffer already lives in this rank's segment, e.g. a fusion buffer packed there: no copy
-in). All leave bitwise-identical results on every rank.
+in). :meth:`ShmGroup.allreduce_parts` runs ``chunked`` over several arrays as one buffer where
+they live (a fused allreduce of tensors: no fusion buffer, no copy in or out). All leave
+bitwise-identical results on every rank.
 
 Failure: a collective that raises (timeout, lost peer, full ``/dev/shm``) closes the group, so
 its peers raise :class:`~hora.errors.PeerLostError` at once instead of waiting for the timeout;
