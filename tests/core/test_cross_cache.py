@@ -274,3 +274,18 @@ def test_gate_keeps_rank0s_loss_behind_its_relayed_messages() -> None:
     with pytest.raises(PeerLostError, match="rank 0 gone"):
         gate.lost(PeerLostError("leader gone", peer=2), leader=2)  # rank 0 named, not 2
     assert not RelayGate(False).lost(PeerLostError("x", peer=0), leader=2)
+
+
+def test_host_rounds_patience() -> None:
+    host = HostRounds([2, 3])
+    assert host.next_due(0.5) is None
+    host.mark(2, 1 << 1, now=10.0)
+    assert host.next_due(0.5) == 10.5
+    assert host.waiting(0.5, now=10.2) == []
+    assert host.waiting(0.5, now=10.6) == [1]  # marked by rank 2 only, for too long
+    assert host.waiting(0.5, now=11.0) == []  # told once
+    assert host.next_due(0.5) is None
+    host.mark(3, 1 << 1, now=11.0)
+    assert host.delta() == 1 << 1  # completed after all: a round, and no longer waiting
+    host.mark(3, 1 << 1, now=12.0)
+    assert host.waiting(0.5, now=13.0) == [1]  # the next round's own clock

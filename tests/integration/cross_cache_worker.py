@@ -7,7 +7,8 @@ Cases: hits (a named allreduce repeated, then a second name and a changed shape 
 learned again), join (one rank joins while the others reduce a cached name), mismatch (rank 1
 changes the shape of a cached name), deadlock (ranks wait on different cached names), death
 (the last rank exits during a cached cycle), stall (the last rank submits a cached name 4 s
-late), marked_death RANK (RANK marks a cached name, then dies before the others mark it: a host's
+late), stall_every_host (2 x 2: a rank on each host is late, the others' ops marked, unwaited),
+marked_death RANK (RANK marks a cached name, then dies before the others mark it: a host's
 rank, or its leader), early_exit RANK (RANK calls shutdown() after a few cached cycles while the
 others go on). The test chooses the hosts (``HORA_HOSTNAME``): one rank per host, or
 2 hosts x 2 ranks.
@@ -92,6 +93,16 @@ def main(case: str) -> None:  # noqa: C901
                     print(f"STALLED {rank} after {time.monotonic() - t0:.1f}s: {exc}",
                           flush=True)
             hora.barrier()
+        elif case == "stall_every_host":
+            for _ in range(3):
+                hora.allreduce(np.ones(4, np.float32), name="s")
+            if rank % 2 == 0:  # ranks 0 and 2 mark it and wait for nothing: no wait reports
+                handle = hora.allreduce_async(np.ones(4, np.float32), name="s")
+                time.sleep(3)
+                hora.synchronize(handle)
+            else:  # ranks 1 (host 0's leader) and 3 (host 1's other rank) come late
+                time.sleep(3)
+                hora.allreduce(np.ones(4, np.float32), name="s")
         elif case == "marked_death":
             victim = int(sys.argv[2])
             for _ in range(3):

@@ -126,6 +126,14 @@ def test_2x2_stall_names_the_missing_rank() -> None:
     assert sorted(lines(results, "OK")) == [0, 1, 2, 3], results
 
 
+def test_2x2_stall_on_every_host_names_the_missing_ranks() -> None:
+    """No host completes the round and nobody waits (no wait reports): each leader's patience
+    tells rank 0 (``cstall``), whose stall inspector then names the late ranks."""
+    results = run22("stall_every_host", HORA_STALL_CHECK_TIME_SECONDS="1")
+    assert "Missing ranks:\n1: [allreduce.s]\n3: [allreduce.s]" in results[0][1], results[0][1]
+    assert sorted(lines(results, "OK")) == [0, 1, 2, 3], results
+
+
 def test_2x2_deadlock_fails_on_every_rank() -> None:
     err = lines(run22("deadlock"), "ERR")
     assert sorted(err) == [0, 1, 2, 3], err

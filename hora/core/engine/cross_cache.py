@@ -153,6 +153,23 @@ class SlotTable:
         resp = self._slots[slot].response
         return replace(resp, names=list(resp.names), shapes=[list(s) for s in resp.shapes])
 
+    def fused(self, group: list[int]) -> Response:
+        """The response of one fusion group of rank 0's decision, as :func:`fuse` built it.
+
+        Raises:
+            ProtocolError: a slot this table does not hold (the ranks' caches diverged).
+        """
+        try:
+            resp = self.response(group[0])
+            for slot in group[1:]:
+                other = self.response(slot)
+                resp.names.extend(other.names)
+                resp.shapes.extend(other.shapes)
+        except KeyError:
+            raise ProtocolError(f"rank 0 decided slots {group} that this rank does not "
+                                "hold: the ranks' response caches diverged") from None
+        return resp
+
     def invalidate(self, slot: int) -> str | None:
         """Drop ``slot`` (its name is negotiated from now on until it is learned again);
         returns its name."""
@@ -208,8 +225,9 @@ class HostRounds:
         self._counts: dict[int, list[int]] = {}  # slot -> rounds marked, per local rank
         self._told: dict[int, int] = {}  # slot -> rounds reported to rank 0
         self._touched: set[int] = set()
+        self._since: dict[int, float] = {}  # slot -> when its open round got its first mark
 
-    def mark(self, rank: int, bits: int) -> None:
+    def mark(self, rank: int, bits: int, now: float | None = None) -> None:
         """Local rank ``rank`` marked the slots of ``bits`` (one more round each).
 
         Raises:
@@ -218,7 +236,9 @@ class HostRounds:
         i = self._index.get(rank)
         if i is None:
             raise ProtocolError(f"rank {rank} marked cached slots at a leader of another host")
+        stamp = time.monotonic() if now is None else now
         for slot in slots_of(bits):
+            self._since.setdefault(slot, stamp)
             counts = self._counts.get(slot)
             if counts is None:
                 counts = self._counts[slot] = [0] * len(self._index)
@@ -236,10 +256,26 @@ class HostRounds:
             if counts is not None and min(counts) > told:
                 self._told[slot] = told + 1
                 out |= 1 << slot
+                self._since.pop(slot, None)
                 if min(counts) > told + 1:
                     again.add(slot)  # (the next round: after rank 0 decided this one)
         self._touched = again
         return out
+
+    def waiting(self, older_than: float, now: float | None = None) -> list[int]:
+        """Slots whose open round some local ranks marked and others not, for ``older_than``
+        seconds or more; each is returned once (rank 0 then negotiates it: its stall inspector
+        and deadlock detector see which ranks are missing)."""
+        now = time.monotonic() if now is None else now
+        late = sorted(s for s, t in self._since.items() if now - t >= older_than)
+        for slot in late:
+            self._since[slot] = float("inf")  # (told once; a drop or a decision clears it)
+        return late
+
+    def next_due(self, older_than: float) -> float | None:
+        """When (``time.monotonic``) :meth:`waiting` next has a slot; None: never yet."""
+        first = min(self._since.values(), default=float("inf"))
+        return None if first == float("inf") else first + older_than
 
     def laggards(self, slot: int) -> list[int]:
         """The local ranks that have marked fewer rounds of ``slot`` than the most (logs)."""
@@ -255,6 +291,7 @@ class HostRounds:
             self._counts.pop(slot, None)
             self._told.pop(slot, None)
             self._touched.discard(slot)
+            self._since.pop(slot, None)
 
 
 class CacheCoordinator:
@@ -320,9 +357,12 @@ class CacheCoordinator:
         self._forget(slots)
 
 
+MSG_CACHE_STALL = "cstall"
+"""Host leader -> rank 0: ``{"bits": hex, "late": [ranks]}``: slots some of the host's ranks
+marked and others not for the cache's patience (rank 0 negotiates them)."""
 MSG_CACHE_MARK = "cmark"
 """A rank -> its host's leader: ``{"bits": hex}``: slots this rank marked (one round each)."""
 
-__all__ = ["MAX_SLOTS", "MSG_CACHE_BITS", "MSG_CACHE_DECIDE", "MSG_CACHE_MARK",
+__all__ = ["MAX_SLOTS", "MSG_CACHE_BITS", "MSG_CACHE_DECIDE", "MSG_CACHE_MARK", "MSG_CACHE_STALL",
            "CacheCoordinator", "HostBits", "HostRounds",
            "SlotTable", "decode_bits", "encode_bits", "slots_of"]

@@ -1,48 +1,34 @@
-"""The engine's side of the response cache across hosts (:mod:`hora.core.engine.cross_cache`).
+"""The engine's side of the response cache across hosts (:mod:`hora.core.engine.cross_cache`;
+hosts, leaders, host links and rank 0's relay: :mod:`hora.core.engine.cross_host`; the whole
+design: docs/multihost.md, "The response cache across hosts").
 
-One :class:`CrossCache` per engine, used by the engine thread only, for process set 0 of a job
-whose ranks are on more than one host (on one host the fast lane answers). The hosts, their
-leaders, the links between a host's ranks and rank 0's relay are
-:mod:`hora.core.engine.cross_host`'s. The engine calls it at these points:
+One :class:`CrossCache` per engine (the engine thread only), for process set 0 of a job whose
+ranks are on more than one host. The engine calls it at these points:
 
 * :meth:`CrossCache.submit` (every rank, before requests are sent or, on rank 0, added to the
-  coordinator): a request whose name holds a slot and whose signature agrees is a *hit*; it is
-  not sent: the rank marks the slot, one ``cmark`` message to its host's leader (over the
-  host's link; rank 0 over its TCP connection to its host's leader). Misses go on as requests,
-  straight to rank 0.
-* :meth:`CrossCache.take` (every control message, raw): a leader forwards rank 0's relay frames
-  to its ranks before anything else, and counts its ranks' marks per round
-  (:class:`~hora.core.engine.cross_cache.HostRounds`); once a round of a slot is complete on
-  the host it sends rank 0 one ``cbits`` for the host. Rank 0 decides a slot every host
-  reported and sends each leader one ``cdec`` frame (run these slots in these fusion groups;
-  drop those), which the leader forwards to its ranks. Slots are learned from the responses
-  every rank runs, in rank 0's order (rank 0 learns in :meth:`CrossCache.wrap_dispatch`), and a
-  negotiated request for a name that holds a slot invalidates the slot.
-* :meth:`CrossCache.poll` (rank 0's loop): a slot that some hosts reported and others not for
-  half the deadlock time (or of the stall-warning time when deadlock detection is off) is
-  invalidated; so is one a wait report (any rank's, rank 0's own included) points at, so that
-  a slot no host completes (a deadlock inside every host) still reaches the coordinator.
-* :meth:`CrossCache.leave` (the engine's goodbye): rank 0 ends every host's relay first; a
-  leader forwards until rank 0 ended its host's relay; another rank tells its leader it leaves.
+  coordinator): a request whose name holds a slot and whose signature agrees is a *hit*: the
+  rank sends its host's leader one ``cmark`` instead. Misses go on as requests, to rank 0.
+* :meth:`CrossCache.take` (every control message, raw): a leader forwards rank 0's frames to its
+  ranks first, and counts its ranks' marks per round (``HostRounds``); a round complete on the
+  host is one ``cbits`` to rank 0. Rank 0 decides a slot every host reported: one ``cdec``
+  frame per leader (run these slots in these fusion groups; drop those). Slots are learned
+  from the responses every rank runs, in rank 0's one order (rank 0: :meth:`wrap_dispatch`);
+  a negotiated request for a name that holds a slot invalidates the slot (every rank drops it;
+  ranks that marked it send their request to rank 0: the coordinator's errors, on every rank).
+* :meth:`CrossCache.poll` (rank 0 and the leaders): a slot marked by some hosts (by some of a
+  host's ranks: the leader's ``cstall``) and not the others for half the deadlock time (or of
+  the stall-warning time) is invalidated; so is one a wait report points at.
+* :meth:`CrossCache.lost` (a control connection closed) and :meth:`CrossCache.leave` (the
+  engine's goodbye: rank 0 ends every relay first, a leader forwards until its host's ends).
 
-**One order**: everything rank 0 sends in order reaches a rank through its host's leader, one
-FIFO path, so nothing can overtake (:mod:`~hora.core.engine.cross_host` says why not numbers).
-
-**Invalidation** drops the slot on every rank; a rank whose op marked the slot sends it to
-rank 0 as a request (rank 0 adds its own to the coordinator), so the coordinator sees every
-rank's request and a mismatch fails with its message on every rank. A ``join`` suspends the
-cache until the join's response; a goodbye turns it off. **Failures**: every rank keeps its
-connection and heartbeats to rank 0; a rank or leader that dies closes its host link too, and
-the rank at the other end reports it at once (:class:`~hora.errors.PeerLostError`), as rank 0
-does, so every rank fails with the dead rank named.
-
-Rank 0 parses one ``cbits`` per host per cached cycle and sends one frame per host; with
-``per_rank`` (or a transport without host links) every rank is its own host and leader: rank 0
-then hears one ``cbits`` from every rank (``benchmarks/control_plane_sim.py --per-rank-marks``).
+A ``join`` suspends the cache until the join's response; a goodbye turns it off everywhere.
+With ``per_rank`` (or a transport without host links) every rank is its own host and leader:
+rank 0 then hears one ``cbits`` from every rank (``control_plane_sim.py --per-rank-marks``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Set
 from typing import Any, TypeVar, cast
 
@@ -54,6 +40,7 @@ from hora.core.engine.cross_cache import (
     MSG_CACHE_BITS,
     MSG_CACHE_DECIDE,
     MSG_CACHE_MARK,
+    MSG_CACHE_STALL,
     CacheCoordinator,
     HostRounds,
     SlotTable,
@@ -255,6 +242,14 @@ class CrossCache:
                 self.marks_from[sender] = self.marks_from.get(sender, 0) + 1
                 self._mark(host, decode_bits(body.get("bits")))
                 return True
+            if kind == MSG_CACHE_STALL:
+                stale = [s for s in slots_of(decode_bits(body.get("bits")))
+                         if self._table.holds(s)]
+                log.debug("cross-host cache: slots %s waited %.2f s for ranks %s of host %d; "
+                          "negotiating them", stale, self._patience, body.get("late"),
+                          self.layout.host_of[sender])
+                self._invalidate(stale)
+                return True
             if kind == MSG_REQUESTS:
                 self._watch_requests(body["reqs"])
             elif kind == MSG_BYE:  # off on every rank: its marks could go to a leader gone
@@ -318,19 +313,9 @@ class CrossCache:
             self._responses.execute([self._build(group) for group in groups])
 
     def _build(self, group: list[int]) -> Response:
-        """The response of one fusion group, as :func:`fuse` built it on rank 0."""
-        try:
-            resp = self._table.response(group[0])
-            for slot in group[1:]:
-                other = self._table.response(slot)
-                resp.names.extend(other.names)
-                resp.shapes.extend(other.shapes)
-        except KeyError:
-            raise ProtocolError(f"rank 0 decided slots {group} that this rank does not "
-                                "hold: the ranks' response caches diverged") from None
         for slot in group:
             self._marked.pop(slot, None)
-        return resp
+        return self._table.fused(group)
 
     # ---- rank 0 -------------------------------------------------------------------------------
     def wrap_dispatch(self, dispatch: _D) -> _D:
@@ -345,8 +330,25 @@ class CrossCache:
             return dispatch(responses)
         return cast(_D, learning)
 
+    def due(self, wait: float | None) -> float | None:
+        """The engine's sleep, shortened to a leader's next :meth:`poll` (``wait`` None: none)."""
+        due = self._rounds.next_due(self._patience) if self._rounds is not None else None
+        if due is None:
+            return wait
+        left = max(0.0, due - time.monotonic())
+        return left if wait is None else min(wait, left)
+
     def poll(self, now: float | None = None) -> bool:
-        """Invalidate slots marked on some hosts only, for too long. True if any was."""
+        """Rank 0: invalidate slots marked on some hosts only, for too long; a leader: tell
+        rank 0 of slots marked by some of its host's ranks only, for as long (``cstall``), so
+        that it negotiates them and its stall inspector names the ranks. True if any was."""
+        if self._rounds is not None and self._rank0 is None:
+            late = self._rounds.waiting(self._patience, now)
+            if late:
+                laggards = sorted({r for s in late for r in self._rounds.laggards(s)})
+                self._transport.send_control(0, encode(MSG_CACHE_STALL, bits=encode_bits(
+                    sum(1 << s for s in late)), late=laggards))
+            return bool(late)
         if self._rank0 is None:
             return False
         late = self._rank0.waiting(self._patience, now)

@@ -240,12 +240,10 @@ class Engine:
         self._reports.report_flush(set_id, blocked)
 
     def lane(self, set_id: int = 0) -> FastLane | None:
-        """The set's fast lane, if it has one (tests, benchmarks)."""
-        return self._lanes.get(set_id)
+        return self._lanes.get(set_id)  # the set's fast lane, if it has one (tests, benchmarks)
 
     def data_path(self, set_id: int = 0) -> str | None:
-        """The data path the set's collectives use (after its first one), for logs/benchmarks."""
-        return self._executor.route_name(set_id)
+        return self._executor.route_name(set_id)  # after its first collective (logs, benchmarks)
 
     @property
     def error(self) -> HoraInternalError | None:
@@ -288,6 +286,8 @@ class Engine:
                 busy = self._take_submissions()
                 busy = self._send_waits() or busy
                 busy = self._receive(0.0) or busy
+                if self._cross is not None:  # (rank 0 and the hosts' leaders: the patience)
+                    busy = self._cross.poll() or busy
                 coordinator = self._coordinator
                 if coordinator is not None:
                     now = time.monotonic()
@@ -301,8 +301,6 @@ class Engine:
                                     self._responses.send_ordered)
                         self._dispatch(failed)
                     busy = self.tuning.poll() or busy  # (between batches of responses)
-                    if self._cross is not None:
-                        busy = self._cross.poll(now) or busy
                     busy = self._dispatch(coordinator.ready()) or busy
                 if not busy and not self._stop.is_set():
                     # Nothing to do: sleep until a control message, a submission (wake) or the
@@ -316,7 +314,7 @@ class Engine:
                     beat = self._liveness.next_beat_in()
                     if beat is not None:
                         wait = beat if wait is None else min(wait, beat)
-                    self._receive(wait)
+                    self._receive(wait if self._cross is None else self._cross.due(wait))
             goodbye(self._cross, self._liveness.say_goodbye, self._coordinator is not None)
         except HoraError as exc:
             self._abort(exc)
