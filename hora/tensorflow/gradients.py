@@ -34,7 +34,7 @@ from hora.core.frontend import grouped as _grouped
 from hora.core.op.process_set import ProcessSet
 from hora.tensorflow.bridge import check_dtype, host_call, in_tf1_graph
 from hora.tensorflow.buffers import OutputPool
-from hora.tensorflow.compression import Compressor
+from hora.tensorflow.compression import Compressor, NoneCompressor
 from hora.tensorflow.mpi_ops import allreduce
 
 
@@ -91,13 +91,17 @@ class GradientReducer:
         """Leave ``var``'s gradient out of the reduction."""
         self.local_ids.add(id(var))
 
-    def __call__(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
+    def __call__(self, grads: Sequence[Any], variables: Sequence[Any],
+                 scale: float = 1.0) -> list[Any]:
+        """``grads`` (of ``variables``, position by position) reduced, each multiplied by
+        ``scale``: a dense floating-point gradient's in its allreduce's postscale (without a
+        pass of its own over it) when not compressed."""
         grads = list(grads)
         if self.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                      for g in grads]
         if not self.active():
-            return grads
+            return _times(grads, scale, set())
         out: list[Any] = list(grads)
         dense: list[int] = []
         size = float(self.process_set.size() or 1)
@@ -113,18 +117,23 @@ class GradientReducer:
                                    process_set=self.process_set, ignore_name_scope=True)
             else:
                 dense.append(i)
+        folded: set[int] = set()
         if dense:
-            reduced = self._dense([grads[i] for i in dense], [variables[i] for i in dense],
-                                  dense)
+            reduced, fold = self._dense([grads[i] for i in dense],
+                                        [variables[i] for i in dense], dense, scale)
             for i, r in zip(dense, reduced):
                 out[i] = r
-        return out
+            if fold:
+                folded = set(dense)
+        return _times(out, scale, folded)
 
     def _name(self, position: int, var: Any) -> str:
         return f"{self.prefix}.{position}.{variable_name(var)}"
 
-    def _dense(self, grads: list[Any], variables: list[Any],
-               positions: list[int]) -> list[tf.Tensor]:
+    def _dense(self, grads: list[Any], variables: list[Any], positions: list[int],
+               scale: float) -> tuple[list[tf.Tensor], bool]:
+        """The dense gradients reduced in one host call, and whether ``scale`` was folded into
+        their postscale (not yet applied otherwise)."""
         pairs = [self.compression.compress(check_dtype(g, "reduce")) for g in grads]
         names = [self._name(p, v) for p, v in zip(positions, variables)]
         if isinstance(self.groups, list):
@@ -135,6 +144,9 @@ class GradientReducer:
             groups = distopt.group_indices(len(grads), self.groups)
         grouped = any(len(g) > 1 for g in groups)
         xs = [c for c, _ in pairs]
+        fold = scale != 1.0 and self.compression is NoneCompressor \
+            and all(x.dtype.is_floating for x in xs)
+        post = self.postscale * scale if fold else self.postscale
         in_place = not tf.executing_eagerly() and not in_tf1_graph()
         if in_place:
             xs = [unshared(x) for x in xs]
@@ -142,33 +154,37 @@ class GradientReducer:
         def run(*arrays: np.ndarray) -> list[np.ndarray]:
             mine = in_place and all(a.flags.writeable for a in arrays)
             if grouped:
-                return self._groups(arrays, names, groups, mine)
-            if mine:
-                return self._singles(arrays, names)
-            return self._pooled(arrays, names)
+                return self._groups(arrays, names, groups, mine, post)
+            if mine:  # (the step benchmarks time _singles with two arguments)
+                return (self._singles(arrays, names) if post == self.postscale
+                        else self._singles(arrays, names, post))
+            return self._pooled(arrays, names, post)
 
         reduced = host_call(run, xs, [x.dtype for x in xs], f"{self.prefix}_Allreduce")
         outs = []
         for r, x, (_, ctx) in zip(reduced, xs, pairs):
             r.set_shape(x.shape)
             outs.append(self.compression.decompress(r, ctx))
-        return outs
+        return outs, fold
 
-    def _singles(self, arrays: Sequence[np.ndarray], names: list[str]) -> list[np.ndarray]:
+    def _singles(self, arrays: Sequence[np.ndarray], names: list[str],
+                 postscale: float | None = None) -> list[np.ndarray]:
         """Allreduce each array in place (the engine fuses them) and return the arrays: buffers
         TensorFlow handed over unshared (:func:`unshared`), which it adopts back without a copy.
         Largest first, so that the small ones share one fused collective. The calling thread
         runs the fast lane's collectives. (The step's host call in ``tf.function``: the step
         benchmarks time it under this name.)"""
         order = sorted(range(len(arrays)), key=lambda i: -arrays[i].nbytes)
-        op, pre, post, pset = self.op, self.prescale, self.postscale, self.process_set
+        op, pre, pset = self.op, self.prescale, self.process_set
+        post = self.postscale if postscale is None else postscale
         handles = [_api.allreduce_async(arrays[i], name=names[i], op=op, prescale_factor=pre,
                                         postscale_factor=post, process_set=pset, inplace=True,
                                         sync=True) for i in order]
         _wait_all(handles)
         return list(arrays)
 
-    def _pooled(self, arrays: Sequence[np.ndarray], names: list[str]) -> list[np.ndarray]:
+    def _pooled(self, arrays: Sequence[np.ndarray], names: list[str],
+                postscale: float) -> list[np.ndarray]:
         """Allreduce each array on its own (the engine fuses them), into pooled aligned
         results that TensorFlow adopts without a copy; largest first, so that the small ones
         share one fused collective. For inputs that are not this call's to write (eager
@@ -176,7 +192,7 @@ class GradientReducer:
         order = sorted(range(len(arrays)), key=lambda i: -arrays[i].nbytes)
         handles = [_api.allreduce_async(
             arrays[i], name=names[i], op=self.op, prescale_factor=self.prescale,
-            postscale_factor=self.postscale, process_set=self.process_set,
+            postscale_factor=postscale, process_set=self.process_set,
             output=self.outputs.take(names[i], arrays[i]), sync=True) for i in order]
         results = _wait_all(handles)
         out: list[np.ndarray] = list(arrays)
@@ -185,14 +201,14 @@ class GradientReducer:
         return out
 
     def _groups(self, arrays: Sequence[np.ndarray], names: list[str],
-                groups: list[list[int]], in_place: bool) -> list[np.ndarray]:
+                groups: list[list[int]], in_place: bool, postscale: float) -> list[np.ndarray]:
         """``groups``' allreduces: a group of several arrays is one grouped allreduce named
         after its first member, a single array is reduced alone (in place when
         ``in_place``, see :meth:`_singles`)."""
         if not in_place:
             return distopt.allreduce_groups(arrays, names, groups, self.op, self.prescale,
-                                            self.postscale, self.process_set)
-        op, pre, post, pset = self.op, self.prescale, self.postscale, self.process_set
+                                            postscale, self.process_set)
+        op, pre, post, pset = self.op, self.prescale, postscale, self.process_set
         handles = []
         for group in groups:
             if len(group) == 1:
@@ -206,6 +222,13 @@ class GradientReducer:
                     inplace=True, sync=True))
         _wait_all(handles)
         return list(arrays)
+
+
+def _times(grads: list[Any], scale: float, done: set[int]) -> list[Any]:
+    """``grads`` multiplied by ``scale``, but those at the positions ``done`` (and None)."""
+    if scale == 1.0:
+        return grads
+    return [g if g is None or i in done else g * scale for i, g in enumerate(grads)]
 
 
 def _wait_all(handles: Sequence[Any]) -> list[Any]:

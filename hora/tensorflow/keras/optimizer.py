@@ -54,9 +54,8 @@ class _DistributedOptimizer(keras.optimizers.Optimizer):
         return self._hora_base._backend_apply_gradients(self, grads, trainable_variables)
 
     def _clip_gradients(self, grads: Any) -> Any:
-        reduced = self._hora_reducer(list(grads), self._hora_variables)
-        if self._hora_sum_factor != 1.0:
-            reduced = [g if g is None else g * self._hora_sum_factor for g in reduced]
+        # (the sum factor of backward_passes_per_step: in the allreduce's postscale)
+        reduced = self._hora_reducer(list(grads), self._hora_variables, self._hora_sum_factor)
         return self._hora_base._clip_gradients(self, reduced)
 
     def register_local_var(self, var: Any) -> None:
