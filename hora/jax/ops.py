@@ -42,7 +42,7 @@ from hora.core.op.handle import Handle
 from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.jax import host_call
 from hora.jax import packed as _packed
-from hora.jax.bridge import HOST, apply, check_leaf, computed, is_traced
+from hora.jax.bridge import HOST, apply, check_leaf, is_traced
 from hora.jax.compression import Compression, Compressor
 from hora.jax.tree import Flat, diagnose, flatten
 
@@ -156,15 +156,9 @@ def _allreduce_packed(kind: str, flat: Flat, leaves: list[Any], full: str | None
         return apply(kind, plan.operands(leaves), reduce(False), plan.specs,
                      _backward(name, args), plan.operand_specs, plan.operands,
                      plan.pieces)
-    # The FFI host call. A packed group's concatenation is made for the call: aliased to an
-    # extra result, the core reduces it in place. A lone (large) leaf the jitted function
-    # computes (a gradient) is aliased to its own result: reduced in place, no copy and no
-    # fresh result pages; one that is an argument (XLA would copy it first) is reduced
-    # straight into its result buffer (``into``). Every non-aliased result is copied out of
-    # the buffers by the host call (the packed groups' leaves), or already there.
-    aliases: dict[int, int | None] = dict.fromkeys(plan.concatenated)
-    aliases.update((k, i) for k, i in plan.lone.items() if computed(leaves[i]))
-    lone = plan.lone
+    # the FFI host call: aliased buffers reduced in place, a lone argument leaf straight into
+    # its result (``into``), the packed leaves copied out by the host call
+    aliases, lone = plan.aliases(leaves), plan.lone
 
     def into(a: list[np.ndarray], outs: list[np.ndarray] | None) -> list[np.ndarray]:
         outputs = [a[k] if k in aliases else outs[lone[k]] if outs is not None and k in lone
@@ -185,8 +179,7 @@ def _allreduce_packed(kind: str, flat: Flat, leaves: list[Any], full: str | None
                  [i for k, i in lone.items() if k not in aliases])
 
 
-def _backward(name: str,
-              args: tuple[ReduceOp, float, float, ProcessSet]) -> Any:
+def _backward(name: str, args: tuple[ReduceOp, float, float, ProcessSet]) -> Any:
     """The gradient of a packed tree's allreduce: the cotangents packed as the operands were,
     allreduced (one op)."""
     gname = _grad_name(name, True)

@@ -42,7 +42,7 @@ import numpy as np
 
 from hora.core.data import packing as _packing
 from hora.jax import host_call
-from hora.jax.bridge import check_leaf, to_host, to_jax
+from hora.jax.bridge import check_leaf, computed, to_host, to_jax
 
 _PLANS: dict[tuple[Any, ...], Plan] = {}
 _SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
@@ -111,6 +111,16 @@ class Plan:
         packed = iter(self.concatenate(leaves))
         return [next(packed) if k in self.packed else leaves[self.lone[k]]
                 for k in range(len(self.layout.groups))]
+
+    def aliases(self, leaves: Sequence[Any]) -> dict[int, int | None]:
+        """The FFI host call's aliases (operand -> result, None: an extra result) for traced
+        ``leaves``: every concatenation (made for the call: the core reduces it in place), and
+        each lone leaf the jitted function computes, a gradient (aliased to its own result:
+        reduced in place, no copy, no fresh result pages). A lone leaf that is an argument is
+        not (XLA would copy it first): the core writes its result into XLA's buffer."""
+        aliases: dict[int, int | None] = dict.fromkeys(self.concatenated)
+        aliases.update((k, i) for k, i in self.lone.items() if computed(leaves[i]))
+        return aliases
 
     def views(self, buffers: Sequence[np.ndarray]) -> list[np.ndarray]:
         """The leaves cut out of every group's host buffer (views)."""
