@@ -145,13 +145,3 @@ def scale_inplace(buf: np.ndarray, factor: float) -> None:
         np.copyto(buf, wide, casting="unsafe")
     else:
         np.multiply(buf, np.asarray(factor, dtype=buf.dtype), out=buf)
-
-
-def scale_into(out: np.ndarray, src: np.ndarray, factor: float) -> None:
-    """``out = src * factor`` with :func:`scale_inplace`'s arithmetic (the same bytes as copying
-    ``src`` into ``out`` and scaling it there), in one pass where the dtype allows."""
-    if factor != 1.0 and src.size and scale_mode(src.dtype) == "own":
-        np.multiply(src, np.asarray(factor, dtype=src.dtype), out=out)
-        return
-    np.copyto(out, src)
-    scale_inplace(out, factor)

@@ -5,8 +5,8 @@ element-wise op and the collective's segment *parity* (see :mod:`hora.collective
 two segments make a final barrier unnecessary). Every rank ends with identical bytes: each
 element is reduced by exactly one rank in a fixed order, or by every rank in the same order.
 Each also multiplies the result by a *postscale* (an Average's ``1/size``) where it is still
-in cache (:func:`chunked`: the rank that reduces a slice publishes the sum, and every rank
-scales it as it copies it into its buffer: one pass, the same bytes everywhere).
+in cache: the rank that reduces a slice scales it before publishing it (reducing into the
+shared slot and scaling on each rank's copy out measured slower across two processes).
 ``replicated`` and :func:`chunked` may read this rank's input from a separate ``src`` (the
 caller's tensor; the buffer is then only written), which saves copying it into the buffer
 first.
@@ -17,8 +17,8 @@ first.
 * :func:`chunked` (large private buffers, two signals per chunk; :func:`chunked_parts` runs it
   over several arrays as one buffer, :class:`Parts`, without packing them): per chunk of
   :data:`~hora.collectives.select.SHM_CHUNK_BYTES`, rank ``r`` exports the slices other ranks
-  own into a slot of its segment, reduces its own slice from the peers' slots into its own slot
-  (publishing it) and copies it into its buffer, and imports the others', the three phases pipelined
+  own into a slot of its segment, reduces its own slice straight from the peers' slots into its
+  own buffer, publishes that slice, and imports the others', the three phases pipelined
   :data:`LOOKAHEAD` chunks apart over :data:`SLOTS` reused slots. Each rank's buffer is read and
   written about once; the slots stay in cache.
 * :func:`staged` (the buffer *is* this rank's segment): reduce the own slice in place from the
@@ -42,14 +42,7 @@ import numpy as np
 
 from hora.collectives._buffers import Array, even_counts, offsets
 from hora.collectives.comm import U8, Fabric
-from hora.collectives.ops import (
-    UFUNCS,
-    ReduceOp,
-    reduce_inplace,
-    reduce_into,
-    scale_inplace,
-    scale_into,
-)
+from hora.collectives.ops import UFUNCS, ReduceOp, reduce_inplace, reduce_into, scale_inplace
 
 WAIT_SPIN_BYTES = 256
 """A wait that follows a step over ``n`` bytes (a chunk exported or reduced by the peer) checks
@@ -230,11 +223,13 @@ def chunked_parts(fabric: Fabric, parts: Parts, op: ReduceOp, parity: int, chunk
             at = slot + b[rank]
             for x, own, off, n in pieces[rank]:
                 lo, hi = at + off, at + off + n
-                first, out = x, mine[lo:hi]  # reduced into the slot (in cache), published there
+                first = x
                 for j in others:  # (a slice is reduced by its owner alone: one result everywhere)
-                    ufunc(first, segs[j][lo:hi], out=out)
-                    first = out
-                scale_into(own, out, postscale)  # (each rank scales the published sum alike)
+                    ufunc(first, segs[j][lo:hi], out=own)
+                    first = own
+                if postscale != 1.0:
+                    scale_inplace(own, postscale)
+                np.copyto(mine[lo:hi], own)
             reduced.append(fabric.post())
         chunk = step - 2 * LOOKAHEAD
         if 0 <= chunk < nchunks:  # import the slices other ranks reduced
@@ -244,7 +239,7 @@ def chunked_parts(fabric: Fabric, parts: Parts, op: ReduceOp, parity: int, chunk
                 at = slot + b[j]
                 seg = segs[j]
                 for _, out, off, n in pieces[j]:
-                    scale_into(out, seg[at + off:at + off + n], postscale)
+                    np.copyto(out, seg[at + off:at + off + n])
 
 
 def staged_small(fabric: Fabric, buf: Array, op: ReduceOp, parity: int, tmp: Array,
