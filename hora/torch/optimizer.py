@@ -12,7 +12,8 @@ threads, which hold the GIL for their Python and take the core backward computes
 rank has no core beyond torch's compute threads (:func:`overlaps`), the hooks only note that a
 gradient is ready and ``synchronize()`` starts every allreduce at once and runs them on the
 calling thread (fused where the engine fuses): the same ops, names and results, without
-backward and the communication taking turns on one core. CUDA gradients always overlap.
+backward and the communication taking turns on one core. Gradients on a GPU (any device
+but the CPU) always overlap: their backward runs on the device.
 
 The rules that are not torch-specific (argument checks, names, groups, predivide factors) are in
 :mod:`hora.core.frontend.distopt`; the collectives are :mod:`hora.torch.ops`.
@@ -152,7 +153,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "(backward(create_graph=True)).")
             self._allreduce_delay[p] -= 1
             launched: tuple[Any, Any] = (None, None)
-            if self._allreduce_delay[p] == 0 and (self._overlap or p.is_cuda):
+            if self._allreduce_delay[p] == 0 and (self._overlap or p.device.type != "cpu"):
                 group = self._p_to_group.get(p)
                 if group is not None:
                     self._group_counts[group] += 1
