@@ -13,6 +13,10 @@ reference is the pool's own is free: no tensor, view or caller can still see it.
 :class:`OutputPool` reuses such arrays for the next step's results (a training step's
 gradients have the same names and shapes every step), and allocates a new one whenever every
 pooled array is still held (a caller who keeps the gradients keeps them intact).
+
+Inside ``tf.function`` the :class:`~hora.tensorflow.gradients.GradientReducer` needs no pool: it
+reduces in place, in the unshared buffers TensorFlow hands over, and returns those. The pool
+serves the results of eager calls and of TF1 graphs.
 """
 
 from __future__ import annotations
