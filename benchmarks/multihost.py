@@ -140,8 +140,11 @@ def latency_worker(kib: float, reps: int, rounds: int) -> None:
     slowest = hora.allgather_object(med, name="lat.med")
     if hora.rank() == 0:
         out = {lib: max(m[lib] for m in slowest) for lib in med}
+        engine = hora.core.engine.context.get().engine
+        cross = getattr(engine, "_cross", None)
         print("RESULT " + json.dumps({"n": hora.size(), "kib": kib, "reps": reps * rounds,
-                                      "path": hora.core.engine.context.get().engine.data_path(),
+                                      "path": engine.data_path(),
+                                      "eager": getattr(cross, "eager", None) is not None,
                                       **out}), flush=True)
     dist.destroy_process_group()
     hora.shutdown()

@@ -194,6 +194,7 @@ class Config:
     allreduce_algorithm: str = "auto"
     data_plane: str = "builtin"
     small_allreduce_bytes: int = 64 * 1024
+    eager_cache: bool = True
     timeout_seconds: float = 30.0
     gloo_timeout_seconds: float = 30.0
     stall_check_disable: bool = False

@@ -157,6 +157,11 @@ KNOBS: tuple[Knob, ...] = (
        "hora-only: allreduces up to this many bytes use the latency-optimal algorithm "
        "(recursive doubling) when the algorithm is 'auto'.", alias=False,
        zero_means="the ring for every size"),
+    _k("eager_cache", bool, True, None,
+       "hora-only: in a job of at most 16 ranks, one per host, a cached allreduce of at most "
+       "small_allreduce_bytes agrees inside its own exchange (every rank sends its data to every "
+       "other; no wait for rank 0's decision); 0: rank 0 decides every cached op "
+       "(docs/multihost.md).", alias=False),
     # --- timeouts and faults ---
     _k("timeout_seconds", float, 30.0, "--timeout-seconds",
        "hora-only: deadline for connect, rendezvous and for a peer to make progress inside a "

@@ -14,7 +14,6 @@ from hora.core.engine.cross_cache import (
     MSG_CACHE_DECIDE,
     MSG_CACHE_MARK,
     CacheCoordinator,
-    HostBits,
     HostRounds,
     SlotTable,
     decode_bits,
@@ -81,21 +80,6 @@ def test_bits_on_the_wire() -> None:
     for bad in ("", "xyz", 5, None, "f" * 100_000):
         with pytest.raises(ProtocolError):
             decode_bits(bad)
-
-
-def test_host_bits_send_each_round_once() -> None:
-    host = HostBits(3)
-    host.mark(0, 2)
-    host.mark(1, 2)
-    assert host.delta() == 0  # not on every local rank yet
-    host.mark(2, 2)
-    host.mark(0, 5)
-    assert host.delta() == 1 << 2
-    assert host.delta() == 0  # told once
-    host.decided([2])
-    for local in range(3):  # the next round of the same slot
-        host.mark(local, 2)
-    assert host.delta() == 1 << 2
 
 
 def test_rank0_decides_when_every_host_reported() -> None:

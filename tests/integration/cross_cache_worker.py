@@ -3,7 +3,8 @@ so process set 0 spans hosts and named allreduces go through the cross-host resp
 
     python cross_cache_worker.py CASE      print "OK <rank> <json>" or "ERR <rank> <type>: <msg>"
 
-Cases: hits (a named allreduce repeated, then a second name and a changed shape that is
+Cases: bitwise (eager slots: every reduction op on 4 KiB, each result compared bit for bit
+with the rank-order reduction), hits (a named allreduce repeated, then a second name and a changed shape that is
 learned again), join (one rank joins while the others reduce a cached name), mismatch (rank 1
 changes the shape of a cached name), deadlock (ranks wait on different cached names), death
 (the last rank exits during a cached cycle), stall (the last rank submits a cached name 4 s
@@ -135,6 +136,45 @@ def main(case: str) -> None:  # noqa: C901
                 hora.allreduce(np.ones(4, np.float32), name="e")
             except Exception as exc:  # noqa: BLE001
                 print(f"ERR {rank} {type(exc).__name__}: {exc}", flush=True)
+        elif case == "bitwise":  # eager slots: every op, results checked bit for bit
+            import hashlib
+
+            digest = hashlib.sha256()
+            n = 1024  # 4 KiB of float32
+
+            def data(r: int, step: int) -> np.ndarray:
+                x = np.random.default_rng(1000 * r + step).standard_normal(n).astype(np.float32)
+                x[:8] = [0.0, -0.0, 0.0, -0.0, np.inf, -np.inf, 1e-40, -1e-40]
+                if r % 2:
+                    x[:4] = -x[:4]  # 0.0 against -0.0 (min/max are not bitwise commutative)
+                return x
+
+            ops = [(hora.Sum, np.add), (hora.Average, np.add), (hora.Min, np.minimum),
+                   (hora.Max, np.maximum), (hora.Product, np.multiply)]
+            eager_on = cross().eager is not None  # type: ignore[attr-defined]
+            for step in range(12):
+                for op, fn in ops:
+                    mine = data(rank, step)
+                    if step % 2:
+                        out = mine.copy()
+                        hora.allreduce_(out, op=op, name=f"b{int(op)}")  # in place
+                    else:
+                        out = hora.allreduce(mine, op=op, name=f"b{int(op)}")
+                    want = data(0, step)
+                    for r in range(1, size):  # rank order, as the eager exchange reduces
+                        want = fn(want, data(r, step))
+                    if op == hora.Average:
+                        want = want * np.float32(1.0 / size)
+                    if step > 0 and eager_on:  # (the first of each name is negotiated)
+                        assert out.tobytes() == want.tobytes(), (step, op)
+                    digest.update(np.asarray(out).tobytes())
+            c = cross()
+            eager = c.eager  # type: ignore[attr-defined]
+            info["eager"] = eager is not None
+            info["digest"] = digest.hexdigest()
+            info["hits"] = c.hits  # type: ignore[attr-defined]
+            info["decisions"] = c.decisions  # type: ignore[attr-defined]
+            info["rounds"] = sum(eager.rounds.committed.values()) if eager else 0
         elif case == "death":
             for _ in range(3):
                 hora.allreduce(np.ones(4, np.float32), name="d")

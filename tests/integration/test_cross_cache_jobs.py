@@ -91,6 +91,68 @@ def test_a_rank_dying_during_a_cached_cycle_fails_the_others() -> None:
         assert "rank 2" in text, text
 
 
+# ---- eager slots (hora.core.engine.eager): one rank per host, small ops ------------------------
+
+def test_eager_hits_agree_in_their_exchange_bitwise_equal_on_every_rank() -> None:
+    """Every reduction op on 4 KiB: cached hits complete with no decision of rank 0, and every
+    rank's result is the rank-order reduction, bit for bit (the worker checks each)."""
+    ok = lines(run("bitwise", 4), "OK")
+    assert sorted(ok) == [0, 1, 2, 3], ok
+    infos = [json.loads(v) for v in ok.values()]
+    assert all(i["eager"] and i["decisions"] == 0 for i in infos), infos
+    assert all(i["hits"] == 11 * 5 and i["rounds"] == 11 * 5 for i in infos), infos
+    assert len({i["digest"] for i in infos}) == 1, infos
+
+
+def test_eager_off_with_the_knob_rank0_decides() -> None:
+    ok = lines(run("bitwise", 3, HORA_EAGER_CACHE="0"), "OK")
+    assert sorted(ok) == [0, 1, 2], ok
+    infos = {r: json.loads(v) for r, v in ok.items()}
+    assert not any(i["eager"] for i in infos.values()), infos
+    assert infos[0]["decisions"] > 0 and all(i["hits"] == 55 for i in infos.values()), infos
+    assert len({i["digest"] for i in infos.values()}) == 1, infos
+
+
+def test_eager_stall_names_the_missing_rank() -> None:
+    """The late rank is asked about the round it has not committed and declares it dead: the
+    others' ops are negotiated and the stall inspector names it."""
+    results = run("stall", 3, HORA_STALL_CHECK_TIME_SECONDS="1",
+                  HORA_STALL_SHUTDOWN_TIME_SECONDS="3")
+    assert "Missing ranks:\n2: [allreduce.s]" in results[0][1], results[0][1]
+    stalled = lines(results, "STALLED")
+    assert sorted(stalled) == [0, 1], results
+    for text in stalled.values():
+        assert "never by ranks [2]" in text, text
+    assert sorted(lines(results, "OK")) == [0, 1, 2], results
+
+
+def test_eager_deadlock_among_three_fails_on_every_rank() -> None:
+    err = lines(run("deadlock", 3), "ERR")
+    assert sorted(err) == [0, 1, 2], err
+    for text in err.values():
+        assert text.startswith("DeadlockError"), text
+
+
+@pytest.mark.parametrize("victim", [2, 1])
+def test_eager_rank_killed_mid_exchange_fails_the_others(victim: int) -> None:
+    """The victim commits a round (its data sent) and dies before the others commit it."""
+    results = run("marked_death", 3, str(victim))
+    err = lines(results, "ERR")
+    assert sorted(err) == sorted({0, 1, 2} - {victim}), results
+    for text in err.values():
+        assert f"rank {victim}" in text, text
+
+
+@pytest.mark.parametrize("victim", [2, 1])
+def test_eager_a_rank_leaving_early_is_a_clean_shutdown(victim: int) -> None:
+    results = run("early_exit", 3, str(victim))
+    assert sorted(lines(results, "LEFT")) == [victim], results
+    err = lines(results, "ERR")
+    assert sorted(err) == sorted({0, 1, 2} - {victim}), results
+    for text in err.values():
+        assert text.startswith("ShutdownError"), text
+
+
 # ---- 2 hosts x 2 ranks: host 0 = ranks 0, 1 (leader 1), host 1 = ranks 2, 3 (leader 2) --------
 
 def run22(case: str, *args: str, **env: str) -> list[tuple[int, str]]:

@@ -180,36 +180,6 @@ class SlotTable:
         return entry.name
 
 
-class HostBits:
-    """A host leader's view: which slots are ready on every rank of its host, and which of those
-    it has not told rank 0 yet. ``members`` local ranks each :meth:`mark` their ready slots."""
-
-    def __init__(self, members: int) -> None:
-        self._members = members
-        self._per_rank: list[int] = [0] * members
-        self._sent = 0
-
-    def mark(self, local: int, slot: int) -> None:
-        self._per_rank[local] |= 1 << slot
-
-    def delta(self) -> int:
-        """Slots ready on every local rank that rank 0 has not been told of (then told)."""
-        both = -1
-        for mask in self._per_rank:
-            both &= mask
-        new = both & ~self._sent
-        self._sent |= new
-        return new
-
-    def decided(self, slots: list[int]) -> None:
-        """Rank 0 decided (or invalidated) ``slots``: this round of them is over."""
-        clear = 0
-        for slot in slots:
-            clear |= 1 << slot
-        self._sent &= ~clear
-        self._per_rank = [mask & ~clear for mask in self._per_rank]
-
-
 class HostRounds:
     """A host leader's view in the engine: a *round counter* per local rank and slot (a rank
     marks slot ``s`` once per round: ``count += 1``), and per slot how many rounds rank 0 has
@@ -364,5 +334,5 @@ MSG_CACHE_MARK = "cmark"
 """A rank -> its host's leader: ``{"bits": hex}``: slots this rank marked (one round each)."""
 
 __all__ = ["MAX_SLOTS", "MSG_CACHE_BITS", "MSG_CACHE_DECIDE", "MSG_CACHE_MARK", "MSG_CACHE_STALL",
-           "CacheCoordinator", "HostBits", "HostRounds",
+           "CacheCoordinator", "HostRounds",
            "SlotTable", "decode_bits", "encode_bits", "slots_of"]

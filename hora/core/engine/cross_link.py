@@ -34,7 +34,6 @@ from typing import Any, TypeVar, cast
 
 from hora._util.log import get_logger
 from hora.config import Config
-from hora.core.data.fusion import fuse
 from hora.core.engine.coordinator import Coordinator
 from hora.core.engine.cross_cache import (
     MSG_CACHE_BITS,
@@ -61,6 +60,9 @@ from hora.core.engine.cross_host import (
     open_links,
     unframe,
 )
+from hora.core.engine.cross_rank0 import Rank0Side
+from hora.core.engine.eager import MSG_EAGER_ASK, MSG_EAGER_DEAD, check_pairs, is_data
+from hora.core.engine.eager_link import Eager
 from hora.core.op.messages import (
     MSG_BYE,
     MSG_REQUESTS,
@@ -83,7 +85,7 @@ LEAVE_WAIT_S = 5.0
 """How long a leader leaving forwards rank 0's frames, waiting for its host's relay to end."""
 
 
-class CrossCache:
+class CrossCache(Rank0Side):
     """See the module's docstring. Build with :meth:`for_job` (None where it does not apply)."""
 
     @classmethod
@@ -103,7 +105,10 @@ class CrossCache:
         layout = HostLayout(hostnames, per_rank)
         if not per_rank:
             open_links(transport, layout, job_id, max(config.start_timeout, 30.0))
-        return cls(transport, config, responses, coordinator, departed, layout)
+        cache = cls(transport, config, responses, coordinator, departed, layout)
+        cache.eager = Eager.for_job(transport, config, layout, cache._table, responses,
+                                    max(config.start_timeout, 30.0))
+        return cache
 
     def __init__(self, transport: Transport, config: Config, responses: Any,
                  coordinator: Coordinator | None, departed: Set[int],
@@ -121,6 +126,7 @@ class CrossCache:
         self._marked: dict[int, Request] = {}  # slot -> this rank's op waiting for a decision
         self.hits = 0  # ops this rank marked instead of requesting (tests, benchmarks)
         self.marks_from: dict[int, int] = {}  # rank 0: cbits messages parsed, per sender
+        self.decisions = 0  # rank 0: cached cycles it decided (tests, benchmarks)
         self._rounds = HostRounds(layout.hosts[host]) if self._leader == self._rank else None
         self._relayed = self._rank not in (0, self._leader) and self._leader != 0
         self._gate = RelayGate(self._relayed)
@@ -136,17 +142,22 @@ class CrossCache:
         self._off = False  # a rank said goodbye: no more marks, no more slots (every rank)
         limit = config.deadlock_time_seconds or config.stall_check_time_seconds
         self._patience = max(0.25, min(limit, config.stall_check_time_seconds) / 2)
+        self.eager: Eager | None = None  # small ops agree in their exchange (module eager)
 
     # ---- every rank ---------------------------------------------------------------------------
     def submit(self, requests: list[Request]) -> list[Request]:
         """Mark this rank's hits; returns the requests to negotiate."""
-        if self._off:
+        eager = self.eager
+        if self._off and eager is None:
             return requests
         misses: list[Request] = []
         bits = 0
         for req in requests:
+            if eager is not None and req.set_id == _SET and eager.take(req):
+                self.hits += 1
+                continue
             slot = (self._table.hit(req) if req.set_id == _SET and req.kind is OpKind.ALLREDUCE
-                    else None)
+                    and not self._off else None)
             if slot is None or slot in self._marked:
                 misses.append(req)
                 continue
@@ -154,7 +165,7 @@ class CrossCache:
             self.hits += 1
             bits |= 1 << slot
         if self._rank0 is not None:
-            self._watch_requests(misses)
+            self._watch_requests(misses, 0)
         if bits:
             if self._rounds is not None:
                 self._rounds.mark(self._rank, bits)
@@ -188,6 +199,9 @@ class CrossCache:
         Raises:
             ProtocolError: a malformed message.
         """
+        if is_data(payload) and self.eager is not None:
+            self.eager.arrive(sender, payload)  # (one rank per host: nothing is relayed)
+            return []
         framed = unframe(payload)
         if framed is not None:  # a leader: rank 0's frame for this host
             to, me, payload = framed
@@ -209,6 +223,8 @@ class CrossCache:
             return []
         if kind == MSG_LOCAL_BYE:
             self._left.add(sender)
+            if self.eager is not None:
+                self.eager.gone.add(sender)
             return []
         if kind == MSG_RELAY_END:
             self._relay_ended = True
@@ -250,12 +266,21 @@ class CrossCache:
                           self.layout.host_of[sender])
                 self._invalidate(stale)
                 return True
+            if kind == MSG_EAGER_DEAD and self.eager is not None:
+                self._kill(self.eager.dead_from(body))
+                return True
             if kind == MSG_REQUESTS:
-                self._watch_requests(body["reqs"])
+                self._watch_requests(body["reqs"], sender)
             elif kind == MSG_BYE:  # off on every rank: its marks could go to a leader gone
+                dead = None  # (one message: the leaver's connection may close after it)
+                if self.eager is not None:
+                    self.eager.gone.add(sender)
+                    dead = self.eager.declare(sender, None)
                 if not self._off:
                     self._off = True
-                    self._invalidate(self._rank0.pending(), off=True)
+                    self._invalidate(self._rank0.pending(), off=True, dead=dead)
+                else:
+                    self._kill(dead or [])
                 host = self.layout.host_of[sender]
                 if self.layout.leaders[host] == sender and self.relay is not None:
                     self.relay.end(host, encode(MSG_RELAY_END))  # its ranks: straight from now
@@ -265,6 +290,9 @@ class CrossCache:
         if kind == MSG_CACHE_DECIDE:
             self._decided(body)
             return True
+        if kind == MSG_EAGER_ASK and self.eager is not None:
+            self.eager.answer(body)
+            return True
         if kind == MSG_RESPONSES:
             for resp in body["resps"]:
                 self._learn(resp)
@@ -273,11 +301,18 @@ class CrossCache:
     def _learn(self, resp: Response) -> None:
         if resp.set_id == _SET and not self._off:
             self._table.learn(resp)
+            if self.eager is not None:
+                for name in resp.names:
+                    slot = self._table.slot_of(_SET, name)
+                    if slot is not None:
+                        self.eager.learned(slot, self._table.response(slot))
 
     def leave(self) -> None:
         """The engine's goodbye (after its loop; rank 0 before it sends its own goodbye, the
         others after theirs): see the module's docstring. Never raises."""
         try:
+            if self.eager is not None:
+                self.eager.leave()
             if self.relay is not None:
                 self.relay.end_all(encode(MSG_RELAY_END))
             elif self._rounds is None and self._leader != 0:
@@ -295,7 +330,7 @@ class CrossCache:
                 and all(isinstance(g, list) and g and all(isinstance(s, int) for s in g)
                         for g in groups)):
             raise ProtocolError("malformed 'cdec' control message")
-        again = []
+        again = [] if self.eager is None else self.eager.kill(check_pairs(body))
         for slot in inval:
             self._table.invalidate(slot)
             req = self._marked.pop(slot, None)
@@ -333,6 +368,10 @@ class CrossCache:
     def due(self, wait: float | None) -> float | None:
         """The engine's sleep, shortened to a leader's next :meth:`poll` (``wait`` None: none)."""
         due = self._rounds.next_due(self._patience) if self._rounds is not None else None
+        if self.eager is not None and self.eager.counts is not None:
+            eager_due = self.eager.counts.next_due(self._patience)
+            if eager_due is not None:
+                due = eager_due if due is None else min(due, eager_due)
         if due is None:
             return wait
         left = max(0.0, due - time.monotonic())
@@ -351,6 +390,11 @@ class CrossCache:
             return bool(late)
         if self._rank0 is None:
             return False
+        if self.eager is not None and self.eager.counts is not None:
+            slots = self.eager.counts.waiting(self._patience, now)
+            if slots:
+                self._kill(self.eager.ask_late(slots))
+                return True
         late = self._rank0.waiting(self._patience, now)
         if late:
             missing = [self.layout.hosts[h] for h in self._rank0.missing_hosts(late[0])]
@@ -358,90 +402,6 @@ class CrossCache:
                       "negotiating them", late, self._patience, missing)
             self._invalidate(late)
         return bool(late)
-
-    def _watch_requests(self, requests: list[Request]) -> None:
-        if self._off:
-            return
-        stale = []
-        for req in requests:
-            if req.set_id != _SET:
-                continue
-            if req.kind is OpKind.JOIN:
-                self._suspended = True  # a joined rank marks nothing: negotiate everything
-                assert self._rank0 is not None
-                stale += self._rank0.pending()
-                continue
-            slot = self._table.slot_of(_SET, req.name)
-            if slot is not None:
-                stale.append(slot)
-        if stale:
-            self._invalidate(sorted(set(stale)))
-
-    def watch_waits(self, waits: object) -> None:
-        """Rank 0: a rank (this one included) blocked on an op whose name holds a slot: negotiate
-        it, so that the deadlock detector sees it (its marks may sit at a leader whose host
-        never completes the round: rank 0 would hear nothing of them)."""
-        if not isinstance(waits, (list, tuple)):
-            return
-        stale = []
-        for item in waits:
-            if isinstance(item, (list, tuple)) and len(item) == 4 and item[0] is True \
-                    and item[1] == _SET:
-                slot = self._table.slot_of(_SET, str(item[2]))
-                if slot is not None:
-                    stale.append(slot)
-        if stale:
-            self._invalidate(sorted(set(stale)))
-
-    def _mark(self, host: int, bits: int) -> None:
-        assert self._rank0 is not None
-        valid = 0
-        for slot in slots_of(bits):
-            if self._table.holds(slot):
-                valid |= 1 << slot  # (a mark for a slot invalidated since is dropped)
-        if not valid:
-            return
-        if self._suspended or self._off:
-            self._invalidate(slots_of(valid))
-            return
-        self._rank0.add(host, valid)
-        ready = self._rank0.ready()
-        if ready:
-            self._decide(ready)
-
-    def _decide(self, slots: list[int]) -> None:
-        fused = fuse([self._table.response(s) for s in slots], self._config.fusion_threshold)
-        by_name = {self._table.response(s).names[0]: s for s in slots}
-        groups = [[by_name[name] for name in resp.names] for resp in fused]
-        self._send_all(encode(MSG_CACHE_DECIDE, groups=groups, inval=[]))
-        for slot in slots:
-            self._marked.pop(slot, None)
-        self._responses.execute(fused)
-
-    def _invalidate(self, slots: list[int], off: bool = False) -> None:
-        assert self._rank0 is not None and self._coordinator is not None
-        if not slots and not off:
-            return
-        self._rank0.invalidate(slots)
-        again = []
-        for slot in slots:
-            self._table.invalidate(slot)
-            req = self._marked.pop(slot, None)
-            if req is not None:
-                again.append(req)
-        if off:
-            again += self._marked.values()
-            self._marked.clear()
-        if self._rounds is not None:
-            self._rounds.drop(slots)
-        self._send_all(encode(MSG_CACHE_DECIDE, groups=[], inval=slots, **(
-            {"off": True} if off else {})))
-        if again:
-            self._coordinator.add(again)
-
-    def _send_all(self, message: bytes) -> None:
-        assert self.relay is not None
-        self.relay.send_all(message)
 
 
 __all__ = ["CrossCache"]

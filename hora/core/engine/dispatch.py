@@ -71,6 +71,16 @@ class Responses:
         """The engine requested ``entry``'s op: its response will complete it."""
         self._pending.setdefault(entry.request.set_id, {})[entry.request.name] = entry
 
+    def waiting_op(self, set_id: int, name: str) -> Entry | None:
+        """The op awaiting its response under ``name`` (the cache's eager slots read it)."""
+        ops = self._pending.get(set_id)
+        return None if ops is None else ops.get(name)
+
+    def done(self, set_id: int, name: str) -> Entry | None:
+        """Forget the op ``name`` (an eager slot completed it without a response)."""
+        ops = self._pending.get(set_id)
+        return None if ops is None else ops.pop(name, None)
+
     def fail_all(self, error: BaseException) -> None:
         """Fail every op still waiting for its response with ``error`` (a copy each, its
         attributes kept; an internal error names the op)."""
