@@ -60,6 +60,7 @@ def main(case: str) -> None:  # noqa: C901
             info["hits"] = c.hits  # type: ignore[attr-defined]
             info["marks_from"] = sorted(c.marks_from)  # type: ignore[attr-defined]
             info["leaders"] = c.layout.leaders  # type: ignore[attr-defined]
+            hora.barrier()  # (read before any rank leaves: a goodbye ends eager slots)
         elif case == "mismatch":
             for _ in range(3):
                 hora.allreduce(np.ones(4, np.float32), name="x")

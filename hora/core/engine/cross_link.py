@@ -67,6 +67,7 @@ from hora.core.op.messages import (
     MSG_BYE,
     MSG_REQUESTS,
     MSG_RESPONSES,
+    MSG_SHUTDOWN,
     MSG_WAITS,
     OpKind,
     Request,
@@ -296,6 +297,8 @@ class CrossCache(Rank0Side):
         if kind == MSG_RESPONSES:
             for resp in body["resps"]:
                 self._learn(resp)
+        elif kind == MSG_SHUTDOWN and self.eager is not None:
+            self.eager.gone.add(0)  # (its eager data came before: Eager.drain)
         return False
 
     def _learn(self, resp: Response) -> None:
@@ -312,6 +315,7 @@ class CrossCache(Rank0Side):
         others after theirs): see the module's docstring. Never raises."""
         try:
             if self.eager is not None:
+                self.eager.drain(LEAVE_WAIT_S)
                 self.eager.leave()
             if self.relay is not None:
                 self.relay.end_all(encode(MSG_RELAY_END))

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -33,11 +34,20 @@ from hora.core.engine.eager import (
     EagerCounts,
     EagerRounds,
     Pending,
+    is_data,
     pack,
     unpack,
 )
-from hora.core.op.messages import OpKind, Request, Response, encode
-from hora.errors import HoraError, ProtocolError
+from hora.core.op.messages import (
+    MSG_BYE,
+    MSG_SHUTDOWN,
+    OpKind,
+    Request,
+    Response,
+    decode,
+    encode,
+)
+from hora.errors import HoraError, PeerLostError, ProtocolError
 from hora.transports.base import Transport
 
 _OPS = {int(op): op for op in ReduceOp}
@@ -195,6 +205,39 @@ class Eager:
         if over:
             self._table.invalidate(slot)
         return True
+
+    def drain(self, wait: float) -> None:
+        """Leaving (rank 0's shutdown, or this rank's): complete the ops pending here whose
+        data is still on its way (a peer's data travels before its goodbye, its connection's
+        close or, from rank 0, its shutdown), for at most ``wait`` seconds; what cannot
+        complete any more (a rank left without committing its round) is left to fail with the
+        engine's shutdown error. Other messages are dropped (the engine has stopped)."""
+        end = time.monotonic() + wait
+        while self.rounds.pending and any(
+                p.parts[r] is None and r not in self.gone
+                for p in self.rounds.pending.values() for r in range(self._size)):
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                msg = self._transport.recv_control(left)
+            except PeerLostError as exc:
+                if exc.peer is None:
+                    return
+                self.gone.add(exc.peer)
+                continue
+            except HoraError:
+                return
+            if msg is None:
+                continue
+            sender, payload = msg
+            try:
+                if is_data(payload):
+                    self.arrive(sender, payload)
+                elif decode(payload)[0] in (MSG_LOCAL_BYE, MSG_BYE, MSG_SHUTDOWN):
+                    self.gone.add(sender)
+            except HoraError:
+                return
 
     def leave(self) -> None:
         """Goodbye on the links (their close that follows is then no failure). Never raises."""
