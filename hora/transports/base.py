@@ -73,17 +73,6 @@ class Transport(abc.ABC):
         transport cannot (the caller keeps to rank 0 <-> others); the default."""
         return False
 
-    def link_control(self, peer: int, timeout: float) -> bool:
-        """Make a control connection to ``peer`` over the network and :meth:`attach_control`
-        it (both ranks call this, each naming the other; used between ranks other than 0 on
-        different hosts by the response cache's eager exchange). Returns False where the
-        transport cannot; the default.
-
-        Raises:
-            HoraTimeoutError, TransportError: the connection could not be made in time.
-        """
-        return False
-
     @abc.abstractmethod
     def wake(self) -> None:
         """Make a concurrent (or the next) :meth:`recv_control` return None promptly.

@@ -38,7 +38,7 @@ from hora.config import KNOBS_BY_NAME
 from hora.errors import HoraInternalError, HoraTimeoutError, PeerLostError, TransportError
 from hora.transports.base import Transport
 from hora.transports.tcp_control import ControlPlane, describe_peer
-from hora.transports.tcp_links import LINK, LazyLinks
+from hora.transports.tcp_links import LazyLinks
 from hora.transports.tcp_mesh import LOST_HINT as _LOST_HINT
 from hora.transports.tcp_mesh import TIMEOUT_HINT as _TIMEOUT_HINT
 from hora.transports.tcp_mesh import connect_mesh
@@ -363,16 +363,6 @@ class TcpTransport(Transport):
         """See :meth:`hora.transports.tcp_control.ControlPlane.attach`."""
         self._check_open()
         self._ctl.attach(peer, sock)
-        return True
-
-    @override
-    def link_control(self, peer: int, timeout: float) -> bool:
-        """An authenticated connection to ``peer`` on :class:`LazyLinks`' ``LINK`` channel,
-        attached to the control plane (:meth:`attach_control`)."""
-        self._check_open()
-        if self._links is None:
-            return False
-        self._ctl.attach(peer, self._links.open(peer, timeout, LINK))
         return True
 
     @override

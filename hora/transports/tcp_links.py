@@ -24,11 +24,8 @@ from hora.errors import AuthenticationError, HoraTimeoutError, PeerLostError, Tr
 log = get_logger(__name__)
 
 # The wire of a rank-to-rank connection after authentication (shared with tcp_mesh's set-up).
-DATA, CONTROL, LINK = 0, 1, 2
-"""Channels: the data connection, rank 0's control connection, and a framed link made after
-set-up between two other ranks (:meth:`LazyLinks.open` with ``LINK``: the response cache's
-eager exchange, :mod:`hora.core.engine.eager`)."""
-_CHANNEL_NAMES = {DATA: "data", CONTROL: "control", LINK: "link"}
+DATA, CONTROL = 0, 1
+_CHANNEL_NAMES = {DATA: "data", CONTROL: "control"}
 _HELLO = struct.Struct("!8sIIB")  # magic, rank, size, channel
 _HELLO_MAGIC = b"HORATCP1"
 _ACCEPT, _REJECT = b"\x01", b"\x00"
@@ -55,8 +52,8 @@ class LazyLinks:
         self._context = b"hora-tcp\0" + scope.encode()
         self._listener = listener
         self._cond = threading.Condition()
-        self._accepted: dict[tuple[int, int], socket.socket] = {}  # (peer, channel) -> sock
-        self._taken: set[tuple[int, int]] = {(p, DATA) for p in known}  # held by the transport
+        self._accepted: dict[int, socket.socket] = {}
+        self._taken: set[int] = set(known)  # peers whose connection the transport holds
         self._closed = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._thread = threading.Thread(target=self._listen, daemon=True,
@@ -67,10 +64,9 @@ class LazyLinks:
         host = self._entries[peer]["hostname"] if peer in self._entries else "?"
         return f"rank {peer} (host {host})"
 
-    def open(self, peer: int, timeout: float, channel: int = DATA) -> socket.socket:
-        """The data connection to ``peer`` (or the ``LINK`` channel's), made now: connected
-        (``peer`` lower than this rank) or accepted (higher), within ``timeout`` seconds.
-        Blocking, ``TCP_NODELAY``.
+    def open(self, peer: int, timeout: float) -> socket.socket:
+        """The data connection to ``peer``, made now: connected (``peer`` lower than this rank)
+        or accepted (higher), within ``timeout`` seconds. Blocking, ``TCP_NODELAY``.
 
         Raises:
             HoraTimeoutError: the peer did not connect, or accept, in time.
@@ -78,38 +74,36 @@ class LazyLinks:
                 AuthenticationError when the peer rejected our credentials.
         """
         deadline = time.monotonic() + timeout
-        key = (peer, channel)
         if peer < self._rank:
-            sock = self._connect(peer, deadline, channel)
+            sock = self._connect(peer, deadline)
         else:
             with self._cond:
-                while key not in self._accepted:
+                while peer not in self._accepted:
                     left = deadline - time.monotonic()
                     if self._closed:
                         raise TransportError("the TCP transport is closed (hora was shut down)")
                     if left <= 0:
                         raise HoraTimeoutError(
                             f"rank {self._rank} waited {timeout:g} s for {self.describe(peer)} "
-                            f"to open its {_CHANNEL_NAMES[channel]} connection (opened on first "
-                            "use); it may be "
+                            "to open its data connection (opened on first use); it may be "
                             "stuck in another collective, have crashed, or be unable to reach "
                             f"this host. {TIMEOUT_HINT}")
                     self._cond.wait(min(left, 1.0))
-                sock = self._accepted.pop(key)
+                sock = self._accepted.pop(peer)
         with self._cond:
-            self._taken.add(key)
+            self._taken.add(peer)
         return sock
 
     def adopt(self, peer: int, sock: socket.socket) -> None:
         """A connection from higher rank ``peer`` that set-up accepted after it finished."""
         with self._cond:
-            if self._closed or (peer, DATA) in self._accepted or (peer, DATA) in self._taken:
+            if self._closed or peer in self._accepted or peer in self._taken:
                 sock.close()
                 return
-            self._accepted[(peer, DATA)] = sock
+            self._accepted[peer] = sock
             self._cond.notify_all()
 
-    def _connect(self, peer: int, deadline: float, channel: int = DATA) -> socket.socket:
+    def _connect(self, peer: int, deadline: float) -> socket.socket:
         entry = self._entries[peer]
         address = (str(entry["host"]), int(entry["port"]))
         delay, last = 0.01, None
@@ -139,7 +133,7 @@ class LazyLinks:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             auth.client_handshake(sock, self._secret, deadline, self._context)
-            send_all(sock, _HELLO.pack(_HELLO_MAGIC, self._rank, self._size, channel), deadline)
+            send_all(sock, _HELLO.pack(_HELLO_MAGIC, self._rank, self._size, DATA), deadline)
             if recv_bytes(sock, 1, deadline) != _ACCEPT:
                 raise TransportError(f"{self.describe(peer)} refused this rank's data "
                                      "connection (it holds one already, or is another job)")
@@ -187,10 +181,9 @@ class LazyLinks:
             auth.server_handshake(sock, self._secret, deadline, self._context)
             magic, peer, size, channel = _HELLO.unpack(recv_bytes(sock, _HELLO.size, deadline))
             with self._cond:
-                key = (peer, channel)
-                ok = (magic == _HELLO_MAGIC and size == self._size and channel in (DATA, LINK)
-                      and self._rank < peer < size and key not in self._accepted
-                      and key not in self._taken and not self._closed)
+                ok = (magic == _HELLO_MAGIC and size == self._size and channel == DATA
+                      and self._rank < peer < size and peer not in self._accepted
+                      and peer not in self._taken and not self._closed)
             if not ok:
                 send_all(sock, _REJECT, deadline)
                 raise TransportError(f"rank {peer} from {addr[0]}:{addr[1]}: unexpected data "
@@ -204,7 +197,7 @@ class LazyLinks:
             if self._closed:
                 sock.close()
                 return
-            self._accepted[key] = sock
+            self._accepted[peer] = sock
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -226,4 +219,4 @@ class LazyLinks:
             sock.close()
 
 
-__all__ = ["CONTROL", "DATA", "LINK", "LOST_HINT", "TIMEOUT_HINT", "LazyLinks"]
+__all__ = ["CONTROL", "DATA", "LOST_HINT", "TIMEOUT_HINT", "LazyLinks"]

@@ -20,7 +20,8 @@ from hora.errors import ProtocolError
 def test_data_messages_on_the_wire() -> None:
     msg = pack(7, 3, b"abcd")
     assert is_data(msg) and not is_data(b'{"k": 1}') and not is_data(b"\x00frame")
-    assert unpack(msg) == (7, 3, b"abcd")
+    assert unpack(msg) == (7, 3, b"abcd", False)
+    assert unpack(pack(7, 3, b"r", result=True)) == (7, 3, b"r", True)
     with pytest.raises(ProtocolError):
         unpack(b"\x01ab")
     assert check_pairs({"dead": [[1, 2]]}) == [(1, 2)]
@@ -136,3 +137,17 @@ def test_rank0_round_clock_restarts_when_the_open_round_moves() -> None:
     c.commit(0, 0, 1, now=5.0)  # ... round 1 opened at 5.0, not 0.0
     assert c.waiting(1.0, now=5.5) == []
     assert c.next_due(1.0) == 6.0
+
+
+def test_a_rank_completes_with_rank0s_result_and_drops_dead_ones() -> None:
+    r = EagerRounds(rank=2, size=3)
+    rnd, done = r.commit(1, "op", b"mine")
+    assert rnd == 0 and done is None
+    done = r.result(1, 0, b"sum")
+    assert done is not None and done.parts == [b"sum"] and done.op == "op"
+    with pytest.raises(ProtocolError):
+        r.result(1, 0, b"again")  # not waiting for it
+    r.commit(1, "op2", b"mine")
+    converted, over = r.kill(1, 1)
+    assert converted is not None and over
+    assert r.result(1, 1, b"late") is None  # a dead round's result: discarded

@@ -3,16 +3,16 @@ so process set 0 spans hosts and named allreduces go through the cross-host resp
 
     python cross_cache_worker.py CASE      print "OK <rank> <json>" or "ERR <rank> <type>: <msg>"
 
-Cases: bitwise (eager slots: every reduction op on 4 KiB, each result compared bit for bit
-with the rank-order reduction), hits (a named allreduce repeated, then a second name and a changed shape that is
-learned again), join (one rank joins while the others reduce a cached name), mismatch (rank 1
-changes the shape of a cached name), deadlock (ranks wait on different cached names), death
-(the last rank exits during a cached cycle), stall (the last rank submits a cached name 4 s
-late), stall_every_host (2 x 2: a rank on each host is late, the others' ops marked, unwaited),
-marked_death RANK (RANK marks a cached name, then dies before the others mark it: a host's
-rank, or its leader), early_exit RANK (RANK calls shutdown() after a few cached cycles while the
-others go on). The test chooses the hosts (``HORA_HOSTNAME``): one rank per host, or
-2 hosts x 2 ranks.
+Cases: bitwise (eager slots: every reduction op on 4 KiB, each result compared bit for bit with
+the rank-order reduction), hits (a named allreduce repeated, then a second name and a changed
+shape that is learned again), join (one rank joins while the others reduce a cached name),
+mismatch (rank 1 changes the shape of a cached name), deadlock (ranks wait on different cached
+names), death (the last rank exits during a cached cycle), stall (the last rank submits a cached
+name 4 s late), stall_every_host (2 x 2: a rank on each host is late, the others' ops marked,
+unwaited), marked_death RANK (RANK marks a cached name, then dies before the others mark it: a
+host's rank, or its leader), early_exit RANK (RANK calls shutdown() after a few cached cycles
+while the others go on). The test chooses the hosts (``HORA_HOSTNAME``): one rank per host, or 2
+hosts x 2 ranks.
 """
 
 from __future__ import annotations

@@ -133,9 +133,10 @@ def test_eager_deadlock_among_three_fails_on_every_rank() -> None:
         assert text.startswith("DeadlockError"), text
 
 
-@pytest.mark.parametrize("victim", [2, 1])
+@pytest.mark.parametrize("victim", [2, 1, 0])
 def test_eager_rank_killed_mid_exchange_fails_the_others(victim: int) -> None:
-    """The victim commits a round (its data sent) and dies before the others commit it."""
+    """The victim commits a round (its data sent to rank 0, or rank 0 holding it) and dies
+    before the others commit it."""
     results = run("marked_death", 3, str(victim))
     err = lines(results, "ERR")
     assert sorted(err) == sorted({0, 1, 2} - {victim}), results

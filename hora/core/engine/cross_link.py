@@ -107,8 +107,7 @@ class CrossCache(Rank0Side):
         if not per_rank:
             open_links(transport, layout, job_id, max(config.start_timeout, 30.0))
         cache = cls(transport, config, responses, coordinator, departed, layout)
-        cache.eager = Eager.for_job(transport, config, layout, cache._table, responses,
-                                    max(config.start_timeout, 30.0))
+        cache.eager = Eager.for_job(transport, config, layout, cache._table, responses)
         return cache
 
     def __init__(self, transport: Transport, config: Config, responses: Any,
@@ -201,7 +200,7 @@ class CrossCache(Rank0Side):
             ProtocolError: a malformed message.
         """
         if is_data(payload) and self.eager is not None:
-            self.eager.arrive(sender, payload)  # (one rank per host: nothing is relayed)
+            self.eager.arrive(sender, payload)  # (rank 0 <-> a rank, directly: not relayed)
             return []
         framed = unframe(payload)
         if framed is not None:  # a leader: rank 0's frame for this host
@@ -224,8 +223,6 @@ class CrossCache(Rank0Side):
             return []
         if kind == MSG_LOCAL_BYE:
             self._left.add(sender)
-            if self.eager is not None:
-                self.eager.gone.add(sender)
             return []
         if kind == MSG_RELAY_END:
             self._relay_ended = True
@@ -316,7 +313,6 @@ class CrossCache(Rank0Side):
         try:
             if self.eager is not None:
                 self.eager.drain(LEAVE_WAIT_S)
-                self.eager.leave()
             if self.relay is not None:
                 self.relay.end_all(encode(MSG_RELAY_END))
             elif self._rounds is None and self._leader != 0:

@@ -1,47 +1,55 @@
 """The response cache across hosts, eager: a small cached allreduce agrees inside its exchange.
 
 A hit of the cross-host cache (:mod:`hora.core.engine.cross_cache`) otherwise waits for rank
-0's decision (mark -> rank 0 -> ``cdec``) before it runs. For an *eager slot* it does not: the
-rank *commits* the slot's next round by sending its data to every other rank, and the op
-completes when every rank's data for that round is in. The rules, every rank alike:
+0's decision (mark -> rank 0 -> ``cdec``) and then runs its collective (recursive doubling for
+a small one: two more hops for 4 ranks). For an *eager slot* the agreement is the exchange
+itself. The rules, every rank alike:
 
 * **Eager slots.** A slot is eager when its response is a single-tensor allreduce (Sum,
   Average, Min, Max or Product; no prescale, no joined rank) of at most ``small_allreduce_bytes``
-  bytes, in a job of at most :data:`MAX_RANKS` ranks, one rank per host, over a transport that
-  links any two ranks (:meth:`~hora.transports.base.Transport.link_control`), with the
-  ``eager_cache`` knob on (decided from the response and the job: the same on every rank).
-  The bound: the exchange is a direct all-to-all (one hop: the latency of one message, where
-  recursive doubling takes ``log2 N`` hops in turn), so every rank sends ``N - 1`` messages
-  and reduces ``N`` buffers per op, and rank 0 reads every rank's data (``N - 1`` messages a
-  cycle, as many as negotiated requests): cheap for a few ranks, not for hundreds. One rank
-  per host: the host's leader combines marks for the decision path; ranks of a host would
-  need links to every rank of the other hosts (not built).
-* **Rounds.** Round ``k`` of slot ``s`` is the ``k``-th time a rank commits ``s`` (counted
-  alike on every rank: a round completes only when every rank committed it, and a name is
-  never in flight twice on a rank, so the ranks' counts of a slot differ by at most one).
-  Data is tagged ``(s, k)``; data for a round this rank has not committed yet is kept until
-  it does. The result is reduced in rank order (rank 0's data the left operand, then rank
-  1's, ...), then scaled: bitwise the same on every rank. Completion implies every rank
-  committed the round, so no rank completes a round another rank never commits.
+  bytes, in a job of at most :data:`MAX_RANKS` ranks, one rank per host, with the
+  ``eager_cache`` knob on and the builtin data plane (decided from the response and the job:
+  the same on every rank). Everything else keeps rank 0's decision.
+* **The exchange** (a star through rank 0, over the control connections every rank already
+  has): a rank *commits* round ``k`` of slot ``s`` by sending rank 0 its input, tagged
+  ``(s, k)``; rank 0, once it holds every rank's data for ``(s, k)`` (its own included),
+  reduces them in rank order (rank 0's the left operand, then rank 1's, ...), scales, and sends
+  the result to every other rank, which completes its op with those bytes: bitwise the same
+  result everywhere. Two hops per op, no engine hand-off beyond the exchange's own, and
+  ``2 (N - 1)`` messages a round (all-to-all would take ``N (N - 1)``; on a machine whose
+  cores the ranks share, measured slower: docs/multihost.md). Data that reaches rank 0 before
+  its own op is kept keyed by ``(s, k)``. The engine thread never blocks on it: data and
+  results are handled in its receive loop.
+* **Rounds.** ``k`` is how many rounds of ``s`` this rank committed before (counted alike on
+  every rank: a round completes only when every rank committed it, and a name is never in
+  flight twice on a rank, so the ranks' counts of a slot differ by at most one). Completion
+  implies every rank committed the round.
+* **The bound** (:data:`MAX_RANKS` = 16): rank 0 receives, reduces and answers ``N - 1``
+  messages per op, the per-rank work the host leaders' cache exists to avoid for large jobs;
+  for a few ranks it is cheaper than the decision's hops. One rank per host: a host's leader
+  combines its ranks' marks for the decision path (not measured with eager slots).
 * **Dead rounds.** A rank that misses on an eager slot (a changed signature, a grouped or
-  device op), joins, says goodbye or is asked about a stalled round it has not committed
-  *declares* the slot's next round, its count, dead: it will never commit it (rank 0 knows the
+  device op), joins, says goodbye, or is asked about a stalled round it has not committed,
+  *declares* the slot's next round (its count) dead: it will never commit it. Rank 0 knows the
   count from the data it received, which travels before the request on the same connection;
-  an asked rank says it, ``cdead``). Rank 0 sends every rank ``(slot, dead round)``; a slot's
-  dead round is the least declared. A rank pending on a round at or after it converts the op
-  to a negotiated request (the coordinator sees every rank's request: its mismatch text, its
-  stall inspector and deadlock detector); one pending on an earlier round keeps it (every rank
-  committed or will commit it); a rank whose count is below it still commits those rounds
-  eagerly; a rank at or past it finds the slot gone (dropped from its table) and negotiates.
-  Data for a dead round is discarded.
-* **Stalls and deadlocks.** Rank 0 counts every rank's rounds per slot (from the data it
-  receives); a round some ranks committed and others not for the cache's patience, or one a
-  blocked rank waits on, is asked about (``cask``) at the late ranks; a late rank that has not
-  committed it declares it dead, so the others negotiate it and the stall inspector names the
-  late ranks; one that has committed it ignores the question (the round completes).
-* **Failure.** Every pair of ranks holds a control connection (rank 0's, or a link made at
-  start): a peer that dies closes it and every rank fails its pending ops, eager ones among
-  them (they sit in the engine's table of ops awaiting a response), naming the peer.
+  an asked rank answers with it (``cdead``). Rank 0 sends every rank ``(slot, dead round)``
+  (in ``cdec``); a slot's dead round is the least declared. A rank pending on a round at or
+  after it converts the op to a negotiated request (the coordinator then sees every rank's
+  request: its mismatch text on every rank, its stall inspector, its deadlock detector); one
+  pending on an earlier round keeps it (every rank committed or will commit that round); a
+  rank whose count is below the dead round still commits those rounds eagerly; a rank at or
+  past it drops the slot and negotiates. Data or results for a dead round are discarded.
+* **Stalls and deadlocks.** Rank 0 counts every rank's rounds per slot; a round some ranks
+  committed and others not for the cache's patience, or one a blocked rank waits on (a wait
+  report), is asked about (``cask``) at the late ranks; a late rank that has not committed it
+  declares it dead, so the others negotiate it and the stall inspector names the late ranks
+  (a deadlock among them is the detector's ``DeadlockError`` on every rank); one that has
+  committed it ignores the question (the round completes).
+* **Failure and shutdown.** A rank that dies closes its connection to rank 0, which fails the
+  job naming it (every rank's pending ops fail, eager ones among them: they sit in the
+  engine's table of ops awaiting a response); rank 0's death is seen by every rank. A rank
+  leaving (its own shutdown or rank 0's) first completes the eager ops whose data or result is
+  on its way (it travels before the sender's goodbye or shutdown), at most 5 s.
 
 :class:`EagerRounds` is a rank's state machine, :class:`EagerCounts` rank 0's counters;
 :mod:`hora.core.engine.eager_link` is the engine's side.
@@ -68,25 +76,29 @@ _HEAD = struct.Struct("!BII")  # marker, slot, round
 _NEVER = 1 << 62
 
 
-def pack(slot: int, rnd: int, data: bytes) -> bytes:
-    """An eager data message: this rank's data for round ``rnd`` of ``slot``."""
-    return _HEAD.pack(_MARK, slot, rnd) + data
+_RESULT = 2  # first byte of rank 0's result of a round (the star exchange)
+
+
+def pack(slot: int, rnd: int, data: bytes, result: bool = False) -> bytes:
+    """An eager data message: this rank's data for round ``rnd`` of ``slot`` (``result``: rank
+    0's reduced result of it)."""
+    return _HEAD.pack(_RESULT if result else _MARK, slot, rnd) + data
 
 
 def is_data(payload: bytes) -> bool:
-    return payload[:1] == b"\x01"
+    return payload[:1] in (b"\x01", b"\x02")
 
 
-def unpack(payload: bytes) -> tuple[int, int, bytes]:
-    """``(slot, round, data)`` of :func:`pack`'s message.
+def unpack(payload: bytes) -> tuple[int, int, bytes, bool]:
+    """``(slot, round, data, result)`` of :func:`pack`'s message.
 
     Raises:
         ProtocolError: too short.
     """
     if len(payload) < _HEAD.size:
         raise ProtocolError("malformed eager data message")
-    _, slot, rnd = _HEAD.unpack_from(payload)
-    return slot, rnd, payload[_HEAD.size:]
+    mark, slot, rnd = _HEAD.unpack_from(payload)
+    return slot, rnd, payload[_HEAD.size:], mark == _RESULT
 
 
 @dataclass
@@ -103,7 +115,9 @@ class Pending:
 
 class EagerRounds:
     """One rank's eager slots (see the module's docstring): rounds committed, dead rounds, the
-    pending op per slot and data that came before this rank's own op."""
+    pending op per slot and data that came before this rank's own op. Rank 0 completes a round
+    when every rank's data is in (:meth:`arrive`); the others when rank 0's result is
+    (:meth:`result`)."""
 
     def __init__(self, rank: int, size: int) -> None:
         self._rank, self._size = rank, size
@@ -153,6 +167,24 @@ class EagerRounds:
             raise ProtocolError(f"rank {sender} sent round {rnd} of eager slot {slot} twice")
         early[sender] = data
         return None
+
+    def result(self, slot: int, rnd: int, data: bytes) -> Pending | None:
+        """Rank 0's result of round ``rnd`` of ``slot`` (the star exchange): the pending op it
+        completes (None: a dead round, discarded).
+
+        Raises:
+            ProtocolError: a result for a round this rank has not committed or completed.
+        """
+        if rnd >= self.dead.get(slot, _NEVER):
+            return None
+        pending = self.pending.get(slot)
+        if pending is None or pending.round != rnd:
+            raise ProtocolError(f"rank 0 sent the result of round {rnd} of eager slot {slot}, "
+                                "which this rank is not waiting for")
+        del self.pending[slot]
+        pending.parts = [data]
+        pending.done = True
+        return pending
 
     def kill(self, slot: int, dead: int) -> tuple[Pending | None, bool]:
         """Round ``dead`` of ``slot`` (and every later one) will never complete: returns the

@@ -5,10 +5,12 @@
 * :meth:`Eager.learned`: a slot the table learned is eager when its response is (the same on
   every rank).
 * :meth:`Eager.take`: this rank's request. A hit on an eager slot commits the slot's next
-  round: the input's bytes go to every other rank (one control message each, tagged), and the
-  op completes here when every rank's data is in (:meth:`arrive`, from the engine's receive
-  loop; never blocking). A miss on an eager slot declares the slot's next round dead here
-  (rank 0 declares it for everyone from the request).
+  round: a rank other than 0 sends its input's bytes to rank 0 (one control message, tagged);
+  rank 0, once every rank's data is in, reduces them and sends the result to every other rank
+  (:meth:`arrive`, from the engine's receive loop; never blocking), and each completes its op
+  with it. A miss on an eager slot declares the slot's next round dead here (rank 0 declares
+  it for everyone from the request).
+* :meth:`drain`: a rank leaving completes the eager ops whose data or result is on its way.
 * :meth:`kill`: rank 0's ``(slot, dead round)`` pairs: pending ops on dead rounds become
   negotiated requests.
 * Rank 0: :meth:`declare` (a negotiated request, a join or a goodbye), :meth:`ask_late` (a
@@ -26,7 +28,7 @@ import numpy as np
 from hora.collectives.ops import SUPPORTED_DTYPES, ReduceOp, reduce_inplace, scale_inplace
 from hora.config import Config
 from hora.core.engine.cross_cache import SlotTable
-from hora.core.engine.cross_host import MSG_LOCAL_BYE, HostLayout
+from hora.core.engine.cross_host import HostLayout
 from hora.core.engine.eager import (
     MAX_RANKS,
     MSG_EAGER_ASK,
@@ -54,29 +56,18 @@ _OPS = {int(op): op for op in ReduceOp}
 _ELEMENTWISE = (ReduceOp.Sum, ReduceOp.Average, ReduceOp.Min, ReduceOp.Max, ReduceOp.Product)
 
 
-def eager_links(transport: Transport) -> bool:
-    """Whether ``transport`` can link any two ranks (:meth:`Transport.link_control`)."""
-    return type(transport).link_control is not Transport.link_control
-
-
 class Eager:
     """See the module's docstring. Build with :meth:`for_job` (None where it does not apply)."""
 
     @classmethod
     def for_job(cls, transport: Transport, config: Config, layout: HostLayout,
-                table: SlotTable, responses: Any, timeout: float) -> Eager | None:
-        """Eager slots for a job of at most ``MAX_RANKS`` ranks, one per host, over a transport
-        that links any two ranks, with the ``eager_cache`` knob on and the builtin data plane;
-        links every two ranks other than 0 now (rank 0 has a control connection to each)."""
-        size, rank = transport.size, transport.rank
-        if (not config.eager_cache or size > MAX_RANKS or config.data_plane != "builtin"
-                or config.small_allreduce_bytes <= 0 or not eager_links(transport)
+                table: SlotTable, responses: Any) -> Eager | None:
+        """Eager slots for a job of at most ``MAX_RANKS`` ranks, one per host, with the
+        ``eager_cache`` knob on and the builtin data plane (the same decision on every rank)."""
+        if (not config.eager_cache or transport.size > MAX_RANKS
+                or config.data_plane != "builtin" or config.small_allreduce_bytes <= 0
                 or any(len(ranks) != 1 for ranks in layout.hosts)):
             return None
-        if rank != 0:  # lower ranks first (this rank connects), then higher (they connect)
-            for peer in range(1, size):
-                if peer != rank:
-                    transport.link_control(peer, timeout)
         return cls(transport, config, table, responses)
 
     def __init__(self, transport: Transport, config: Config, table: SlotTable,
@@ -128,14 +119,11 @@ class Eager:
         rnd, done = self.rounds.commit(slot, entry, data)
         if self.counts is not None:
             self.counts.commit(0, slot, rnd)
-        message = pack(slot, rnd, data)
-        send = self._transport.send_control
-        for peer in self._peers:
-            if peer not in self.gone:
-                try:
-                    send(peer, message)
-                except HoraError:
-                    pass  # it left (its goodbye) or died (its link's close is reported)
+        if self._rank != 0:
+            try:
+                self._transport.send_control(0, pack(slot, rnd, data))
+            except HoraError:
+                pass  # rank 0 is gone: its connection's close is reported
         if done is not None:
             self._finish(done)
         return True
@@ -159,7 +147,15 @@ class Eager:
         Raises:
             ProtocolError: malformed, or data for a round this rank completed.
         """
-        slot, rnd, data = unpack(payload)
+        slot, rnd, data, result = unpack(payload)
+        if result != (sender == 0) or (self._rank == 0) == result:
+            raise ProtocolError(f"rank {self._rank}: eager {'result' if result else 'data'} "
+                                f"from rank {sender}")
+        if result:
+            done = self.rounds.result(slot, rnd, data)
+            if done is not None:
+                self._finish(done)
+            return
         if self.counts is not None:
             self.counts.commit(sender, slot, rnd)
         done = self.rounds.arrive(sender, slot, rnd, data)
@@ -167,17 +163,26 @@ class Eager:
             self._finish(done)
 
     def _finish(self, pending: Pending) -> None:
-        """Every rank's data is in: reduce in rank order, scale, complete the op."""
+        """Rank 0: every rank's data is in: reduce in rank order, scale, send the result to the
+        others, complete the op. The others: rank 0's result, copied, completes the op."""
         entry = pending.op
         self._responses.done(entry.request.set_id, entry.request.name)
         dtype, op, scale = self._how[pending.slot]
         out = entry.output.reshape(-1)
         parts = pending.parts
         np.copyto(out, np.frombuffer(parts[0], dtype))  # type: ignore[arg-type]
-        for part in parts[1:]:
-            reduce_inplace(out, np.frombuffer(part, dtype), op)  # type: ignore[arg-type]
-        if scale != 1.0:
-            scale_inplace(out, scale)
+        if len(parts) > 1:
+            for part in parts[1:]:
+                reduce_inplace(out, np.frombuffer(part, dtype), op)  # type: ignore[arg-type]
+            if scale != 1.0:
+                scale_inplace(out, scale)
+            message = pack(pending.slot, pending.round, out.tobytes(), result=True)
+            for peer in self._peers:
+                if peer not in self.gone:
+                    try:
+                        self._transport.send_control(peer, message)
+                    except HoraError:
+                        pass  # it died: its connection's close is reported
         result = entry.output
         if entry.finish is not None:
             result = entry.finish(result)
@@ -213,9 +218,9 @@ class Eager:
         complete any more (a rank left without committing its round) is left to fail with the
         engine's shutdown error. Other messages are dropped (the engine has stopped)."""
         end = time.monotonic() + wait
-        while self.rounds.pending and any(
+        while self.rounds.pending and (0 not in self.gone if self._rank else any(
                 p.parts[r] is None and r not in self.gone
-                for p in self.rounds.pending.values() for r in range(self._size)):
+                for p in self.rounds.pending.values() for r in range(self._size))):
             left = end - time.monotonic()
             if left <= 0:
                 return
@@ -234,21 +239,10 @@ class Eager:
             try:
                 if is_data(payload):
                     self.arrive(sender, payload)
-                elif decode(payload)[0] in (MSG_LOCAL_BYE, MSG_BYE, MSG_SHUTDOWN):
+                elif decode(payload)[0] in (MSG_BYE, MSG_SHUTDOWN):
                     self.gone.add(sender)
             except HoraError:
                 return
-
-    def leave(self) -> None:
-        """Goodbye on the links (their close that follows is then no failure). Never raises."""
-        if self._rank == 0:
-            return
-        for peer in self._peers:
-            if peer != 0 and peer not in self.gone:
-                try:
-                    self._transport.send_control(peer, encode(MSG_LOCAL_BYE))
-                except HoraError:
-                    pass
 
     # ---- rank 0 -------------------------------------------------------------------------------
     def declare(self, rank: int, names: list[str] | None) -> list[tuple[int, int]]:
@@ -311,4 +305,4 @@ class Eager:
         return [s for s in (self.counts.by_name.get(n) for n in names) if s is not None]
 
 
-__all__ = ["Eager", "eager_links"]
+__all__ = ["Eager"]
