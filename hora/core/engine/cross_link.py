@@ -21,6 +21,11 @@ ranks are on more than one host. The engine calls it at these points:
 * :meth:`CrossCache.lost` (a control connection closed) and :meth:`CrossCache.leave` (the
   engine's goodbye: rank 0 ends every relay first, a leader forwards until its host's ends).
 
+Eager slots (:mod:`hora.core.engine.eager`, :mod:`hora.core.engine.eager_link`: a small
+allreduce in a job of a few ranks, one per host) skip the marks and the decision: a hit sends its
+data to rank 0, whose result completes it; their invalidation is round-exact (dead rounds).
+Rank 0's methods are in :mod:`hora.core.engine.cross_rank0`.
+
 A ``join`` suspends the cache until the join's response; a goodbye turns it off everywhere.
 With ``per_rank`` (or a transport without host links) every rank is its own host and leader:
 rank 0 then hears one ``cbits`` from every rank (``control_plane_sim.py --per-rank-marks``).
