@@ -195,6 +195,7 @@ class Config:
     data_plane: str = "builtin"
     small_allreduce_bytes: int = 64 * 1024
     eager_cache: bool = True
+    torch_overlap: str = "auto"
     timeout_seconds: float = 30.0
     gloo_timeout_seconds: float = 30.0
     stall_check_disable: bool = False

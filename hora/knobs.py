@@ -159,9 +159,15 @@ KNOBS: tuple[Knob, ...] = (
        zero_means="the ring for every size"),
     _k("eager_cache", bool, True, None,
        "hora-only: in a job of at most 16 ranks, one per host, a cached allreduce of at most "
-       "small_allreduce_bytes agrees inside its own exchange (every rank sends its data to every "
-       "other; no wait for rank 0's decision); 0: rank 0 decides every cached op "
-       "(docs/multihost.md).", alias=False),
+       "small_allreduce_bytes agrees inside its own exchange (every rank sends its data to rank "
+       "0, which reduces them in rank order and sends the result back; no separate decision "
+       "round); 0: rank 0 decides every cached op first (docs/multihost.md).", alias=False),
+    _k("torch_overlap", str, "auto", None,
+       "hora-only: whether hora.torch.DistributedOptimizer starts a CPU gradient's allreduce "
+       "from its hook during backward ('on') or all of them in synchronize()/step() ('off'); "
+       "'auto': on when this host has a core per rank beyond torch's compute threads "
+       "(docs/torch.md). GPU gradients always start during backward.", alias=False,
+       choices=("auto", "on", "off")),
     # --- timeouts and faults ---
     _k("timeout_seconds", float, 30.0, "--timeout-seconds",
        "hora-only: deadline for connect, rendezvous and for a peer to make progress inside a "

@@ -12,8 +12,9 @@ threads, which hold the GIL for their Python and take the core backward computes
 rank has no core beyond torch's compute threads (:func:`overlaps`), the hooks only note that a
 gradient is ready and ``synchronize()`` starts every allreduce at once and runs them on the
 calling thread (fused where the engine fuses): the same ops, names and results, without
-backward and the communication taking turns on one core. Gradients on a GPU (any device
-but the CPU) always overlap: their backward runs on the device.
+backward and the communication taking turns on one core. The ``torch_overlap`` knob
+(``HORA_TORCH_OVERLAP=auto|on|off``) forces either mode. Gradients on a GPU (any device but the
+CPU) always overlap: their backward runs on the device.
 
 The rules that are not torch-specific (argument checks, names, groups, predivide factors) are in
 :mod:`hora.core.frontend.distopt`; the collectives are :mod:`hora.torch.ops`.
@@ -60,15 +61,19 @@ _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize(
 _SPARSE = object()  # the compression context of a sparse gradient's allreduce (none)
 
 OVERLAP: bool | None = None
-"""Whether the hooks of CPU gradients start their allreduces during backward: None decides
-(:func:`overlaps`); True or False forces it (tests, benchmarks)."""
+"""Forces :func:`overlaps` (True or False) in this process, over the ``HORA_TORCH_OVERLAP`` knob
+(tests running ranks in both modes in one job); None: the knob decides."""
 
 
-def overlaps(local_size: int) -> bool:
-    """Whether a rank of ``local_size`` ranks on its host has a core to communicate on while
-    backward computes with ``torch.get_num_threads()`` threads (:data:`OVERLAP` forces it)."""
+def overlaps(local_size: int, mode: str = "auto") -> bool:
+    """Whether the hooks of CPU gradients start their allreduces during backward: ``mode`` is
+    the ``torch_overlap`` knob ('on', 'off', or 'auto': when a rank of ``local_size`` ranks on
+    its host has a core to communicate on while backward computes with
+    ``torch.get_num_threads()`` threads). :data:`OVERLAP` overrides it."""
     if OVERLAP is not None:
         return OVERLAP
+    if mode != "auto":
+        return mode == "on"
     return usable_cpus() >= max(1, local_size) * (torch.get_num_threads() + 1)
 
 
@@ -106,7 +111,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._in_set = bool(process_set.included())
         ctx = _context.get("DistributedOptimizer")
         elastic = ctx.config.elastic
-        self._overlap = overlaps(ctx.local_size)  # CPU gradients: see the module docstring
+        self._overlap = overlaps(ctx.local_size, ctx.config.torch_overlap)  # module docstring
         if self._in_set and (hora.size() > 1 or elastic):
             self._register_hooks(groups)
 

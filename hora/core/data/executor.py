@@ -356,10 +356,14 @@ class Executor:
             srcs.append(None if out is x or _may_share_memory(out, x) else x.reshape(-1))
             dsts.append(out.reshape(-1))
         recording = self._recordable and self._tl.recording
-        if recording:
+        if recording:  # (the fusion's copies are the collective's first and last passes here:
+            # zero-length phases, so a timeline still shows which ops were fused, as Horovod's)
+            self._tl.activity_start_all(resp.names, MEMCPY_IN_FUSION_BUFFER)
             self._tl.activity_start_all(resp.names, collective_activity(route.name, resp.kind))
         route.allreduce_parts(dsts, _OPS[resp.op], srcs, resp.postscale / route.comm.size
                               if resp.op == _AVERAGE else resp.postscale)
+        if recording:
+            self._tl.activity_start_all(resp.names, MEMCPY_OUT_FUSION_BUFFER)
         for name, entry, shape in zip(resp.names, local, resp.shapes):
             if recording:
                 self._tl.op_end(name, resp.dtype, shape)
