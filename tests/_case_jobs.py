@@ -47,6 +47,40 @@ class CaseJob:
                         f"\n--- stderr tail\n{self.stderr[-6000:]}")
 
 
+@dataclass
+class Ran:
+    """Outcome of :func:`run_group`."""
+
+    returncode: int
+    stdout: str
+    stderr: str  # ("" with ``merge_stderr``)
+    timed_out: bool
+
+
+def run_group(cmd: list[str], *, timeout: float, env: Mapping[str, str] | None = None,
+              cwd: str | Path | None = None, merge_stderr: bool = False) -> Ran:
+    """Run ``cmd`` in a new session and kill its whole process group when it ends or after
+    ``timeout`` seconds (then ``timed_out``, with what it printed so far): only the processes
+    this test started, none left behind. ``env``: the whole environment (None: this one's)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+                            text=True, env=None if env is None else dict(env), cwd=cwd,
+                            start_new_session=True)
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return Ran(proc.returncode, out, err or "", timed_out)
+
+
 def run_job(np_: int, args: list[str], env: Mapping[str, str], cwd: Path,
             timeout: float) -> CaseJob:
     """`hora run -np N <args>` (the first ``.py`` argument runs under this Python), its
@@ -54,20 +88,9 @@ def run_job(np_: int, args: list[str], env: Mapping[str, str], cwd: Path,
     script = next(i for i, a in enumerate(args) if a.endswith(".py"))
     cmd = [sys.executable, "-m", "hora.runner.cli", "run", "-np", str(np_), *args[:script],
            sys.executable, *args[script:]]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **env}, start_new_session=True, cwd=cwd)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        err += f"\n[job killed after {timeout} s]"
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return CaseJob(np_, proc.returncode, out, err)
+    ran = run_group(cmd, timeout=timeout, env={**os.environ, **env}, cwd=cwd)
+    err = ran.stderr + (f"\n[job killed after {timeout} s]" if ran.timed_out else "")
+    return CaseJob(np_, ran.returncode, ran.stdout, err)
 
 
 def spawn_ranks(argv: list[str], envs: list[dict[str, str]], timeout: float = 60.0

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-import subprocess
 import sys
 import time
 import tracemalloc
@@ -20,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _case_jobs import run_group
 
 from hora.collectives.ops import ReduceOp, scale_inplace
 from hora.collectives.select import (
@@ -518,20 +518,11 @@ def _run(np_: int, *args: str, timeout: float = 90.0) -> tuple[int, str, str]:
     cmd = [sys.executable, "-m", "hora.runner.cli", "run", "-np", str(np_), sys.executable,
            WORKER, *args]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"job did not finish in {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return proc.returncode, out, err
+    ran = run_group(cmd, timeout=timeout, env=env)
+    if ran.timed_out:
+        pytest.fail(f"job did not finish in {timeout} s\nstdout:\n{ran.stdout}\n"
+                    f"stderr:\n{ran.stderr}")
+    return ran.returncode, ran.stdout, ran.stderr
 
 
 def _job_ids(out: str) -> set[str]:

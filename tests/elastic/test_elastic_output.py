@@ -5,13 +5,11 @@ full before."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _case_jobs import run_group
 
 from hora.runner.elastic.spawner import SameErrorOnce
 from hora.runner.output import Console
@@ -31,21 +29,12 @@ def test_workers_that_fail_alike_print_one_traceback(tmp_path: Path) -> None:
     script.write_text(SCRIPT)
     cmd = [sys.executable, "-m", "hora.runner.cli", "run", "-np", "2", "--min-np", "2",
            "--max-np", "2", "-H", "localhost:2", sys.executable, str(script)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the elastic job did not end in 60 s\n{out}\n{err}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    ran = run_group(cmd, timeout=60)
+    if ran.timed_out:
+        pytest.fail(f"the elastic job did not end in 60 s\n{ran.stdout}\n{ran.stderr}")
+    out, err = ran.stdout, ran.stderr
     text = out + err
-    assert proc.returncode != 0, text
+    assert ran.returncode != 0, text
     assert text.count("Traceback (most recent call last):") == 1, text
     assert text.count("ValueError: bad input shape 42") == 1, text
     assert "raised the same error as worker" in text and "traceback not shown" in text, text

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from _case_jobs import run_group
 
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")
@@ -62,20 +61,9 @@ def run(args: list[str], cwd: Path, timeout: float, env: dict[str, str] | None =
     """Run ``args`` in a new session (the test environment, :data:`ENV`, then ``env``); kill its
     whole process group when done or timed out."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=cwd, env={**base, **ENV, **(env or {})}, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        err += f"\n[killed after {timeout} s]"
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return Run(proc.returncode, out, err)
+    ran = run_group(args, timeout=timeout, env={**base, **ENV, **(env or {})}, cwd=cwd)
+    err = ran.stderr + (f"\n[killed after {timeout} s]" if ran.timed_out else "")
+    return Run(ran.returncode, ran.stdout, err)
 
 
 def hora_run(np_: int, script: Path, *args: str, cwd: Path, timeout: float) -> Run:

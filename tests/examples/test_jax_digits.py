@@ -6,12 +6,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _case_jobs import run_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("jax", "optax", "flax", "sklearn")),
@@ -24,22 +23,12 @@ def test_jax_digits_two_ranks(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
     env.update(HOROVOD_STALL_CHECK_TIME_SECONDS="5", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="20",
                OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen([sys.executable, "-m", "hora.runner.cli", "run", "-np", "2",
-                             sys.executable, str(SCRIPT), "--epochs", "6"], cwd=tmp_path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    explain = f"exit {proc.returncode}\n{out[-3000:]}\n{err[-3000:]}"
-    assert proc.returncode == 0, explain
+    ran = run_group([sys.executable, "-m", "hora.runner.cli", "run", "-np", "2",
+                     sys.executable, str(SCRIPT), "--epochs", "6"], timeout=90, env=env,
+                    cwd=tmp_path)
+    out, err = ran.stdout, ran.stderr
+    explain = f"exit {ran.returncode}\n{out[-3000:]}\n{err[-3000:]}"
+    assert ran.returncode == 0, explain
     assert "[0]<stdout>:parameters identical on all 2 ranks: True" in out, explain
     match = re.search(r"\[0\]<stdout>:final validation accuracy (\d+\.\d)% \(2 ranks\)", out)
     assert match and float(match.group(1)) >= 90.0, explain

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from _case_jobs import run_group
 
 WORKER = str(Path(__file__).with_name("worker.py"))
 
@@ -35,17 +34,8 @@ def run_job(np_: int, *args: str, timeout: float = 60, env: dict[str, str] | Non
     """`hora run -np N python worker.py ARGS`, killed (whole process group) after ``timeout``."""
     cmd = [sys.executable, "-m", "hora.runner.cli", "run", "-np", str(np_), *launcher_args,
            sys.executable, script, *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"job did not finish in {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return Job(proc.returncode, out, err)
+    ran = run_group(cmd, timeout=timeout, env={**os.environ, **(env or {})})
+    if ran.timed_out:
+        pytest.fail(f"job did not finish in {timeout} s\nstdout:\n{ran.stdout}\n"
+                    f"stderr:\n{ran.stderr}")
+    return Job(ran.returncode, ran.stdout, ran.stderr)

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from _case_jobs import run_group
 
 from .conftest import Job
 
@@ -46,21 +45,12 @@ def _run_script(tmp_path: Path, body: str, np_: int = 2, timeout: float = 90,
     script.write_text(_PRELUDE + textwrap.dedent(body))
     cmd = [sys.executable, "-m", "hora.runner.cli", "run", "-np", str(np_), sys.executable,
            str(script)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})}, start_new_session=True,
-                            cwd=str(Path(__file__).resolve().parents[2]))
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"job did not finish in {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return Job(proc.returncode, out, err)
+    ran = run_group(cmd, timeout=timeout, env={**os.environ, **(env or {})},
+                    cwd=Path(__file__).resolve().parents[2])
+    if ran.timed_out:
+        pytest.fail(f"job did not finish in {timeout} s\nstdout:\n{ran.stdout}\n"
+                    f"stderr:\n{ran.stderr}")
+    return Job(ran.returncode, ran.stdout, ran.stderr)
 
 
 def _shm_names() -> set[str]:

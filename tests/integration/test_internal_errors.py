@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from _case_jobs import run_group
 
 from .conftest import Job
 
@@ -58,20 +57,9 @@ def _run_script(tmp_path: Path, body: str) -> Job:
     script.write_text(_PRELUDE + textwrap.dedent(body))
     cmd = [sys.executable, "-m", "hora.runner.cli", "run", "-np", "2", sys.executable,
            str(script)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "HORA_HEARTBEAT_TIMEOUT_SECONDS": "60"},
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return Job(proc.returncode, out, err)
+    ran = run_group(cmd, timeout=JOB_TIMEOUT_S,
+                    env={**os.environ, "HORA_HEARTBEAT_TIMEOUT_SECONDS": "60"})
+    return Job(ran.returncode, ran.stdout, ran.stderr)
 
 
 def _raised(job: Job) -> dict[int, str]:

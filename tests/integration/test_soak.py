@@ -21,8 +21,6 @@ import argparse
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from typing import Any
@@ -172,21 +170,14 @@ def run_soak(np_: int = 3, ops: int = OPS, seed: int = 1234,
     """Launch the soak job; returns (exit status, per-rank reports, full output)."""
     cmd = [sys.executable, "-m", "hora.runner.cli", "run", "-np", str(np_), sys.executable,
            os.path.abspath(__file__), "--worker", "--seed", str(seed), "--ops", str(ops)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+    from _case_jobs import run_group  # (here: this file also runs as the ranks' script)
+
+    ran = run_group(cmd, timeout=timeout, merge_stderr=True)
+    out = ran.stdout
+    if ran.timed_out:
         return -1, [], f"TIMEOUT after {timeout} s\n{out}"
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     reports = [json.loads(m) for m in re.findall(r"SOAK (\{.*\})", out)]
-    return proc.returncode, sorted(reports, key=lambda r: r["rank"]), out
+    return ran.returncode, sorted(reports, key=lambda r: r["rank"]), out
 
 
 if __name__ != "__main__":
