@@ -118,13 +118,27 @@ class _Call:
         self.ins = [(tuple(s.shape), np.dtype(s.dtype)) for s in ins]
         self.outs = [(tuple(s.shape), np.dtype(s.dtype)) for s in outs]
         self.nbytes = [int(np.prod(shape)) * dt.itemsize for shape, dt in self.outs]
+        in_bytes = [int(np.prod(shape)) * dt.itemsize for shape, dt in self.ins]
+        # per operand: where its buffer is (the result XLA aliased to it, else the argument),
+        # and how to view it; per viewed result the same (everything but addresses is fixed)
+        self.operand_views = [
+            (_RETS if alias is not None else _ARGS, k if alias is None else alias, shape,
+             dtype, C.c_char * n if n else None, alias is not None, n)
+            for k, ((shape, dtype), alias, n) in enumerate(zip(self.ins, self.aliases,
+                                                                in_bytes))]
+        self.result_views = [(k, self.outs[k][0], self.outs[k][1],
+                              C.c_char * self.nbytes[k] if self.nbytes[k] else None)
+                             for k in self.views]
         self.pieces = list(pieces) if pieces is not None else None
-        # with pieces: (result, buffer, byte offset, bytes) of each non-empty result, and the
-        # bytes each buffer must hold
-        self.copies = [(k, b, offset, self.nbytes[k])
+        # with pieces: (result, buffer, byte offset, bytes, operand aliased to the result:
+        # its bytes are already there when the function returns that operand's view) of each
+        # non-empty result, and the bytes each buffer must hold
+        aliased = {j: k for k, j in enumerate(self.aliases) if j is not None}
+        self.copies = [(k, b, offset, self.nbytes[k],
+                        b if offset == 0 and aliased.get(k) == b else None)
                        for k, (b, offset) in enumerate(self.pieces or []) if self.nbytes[k]]
         self.need: dict[int, int] = {}
-        for _, b, offset, n in self.copies:
+        for _, b, offset, n, _ in self.copies:
             self.need[b] = max(self.need.get(b, 0), offset + n)
 
 
@@ -132,59 +146,88 @@ _CALLS: dict[int, _Call] = {}
 _KEYS = itertools.count(1)
 _LOCK = threading.Lock()
 
+# The execute stage reads the call frame with as few Python objects as it can: the frame is
+# passed as an address, and a pointer-sized field at an aligned address is read by indexing
+# one ctypes pointer (a ctypes structure or ``from_address`` per field costs 3-10x more, and
+# the handler runs after the backward pass, when little of Python is still in cache).
+_WORD = C.sizeof(_P)
+_WORDS = C.cast(_WORD, C.POINTER(_P))
+_ARGS = _CallFrame.args.offset + _List.items.offset
+_RETS = _CallFrame.rets.offset + _List.items.offset
+_ATTRS = _CallFrame.attrs.offset + _Attrs.attrs.offset
+_EXTENSION = _CallFrame.extension_start.offset
+_STAGE = _CallFrame.stage.offset
+_SCALAR_VALUE = _Scalar.value.offset
+_API = _CallFrame.api.offset
 
-class _View:
-    """A numpy view of ``shape`` ``dtype`` at ``address`` (``__array_interface__``),
-    read-only unless ``writable``."""
 
-    def __init__(self, address: int, shape: tuple[int, ...], dtype: np.dtype,
-                 writable: bool = False) -> None:
-        self.__array_interface__ = {"data": (address, not writable), "shape": shape,
-                                    "typestr": dtype.str, "version": 3}
+def _word(address: int) -> int:
+    """The pointer-sized word at the pointer-aligned ``address`` (0 for NULL)."""
+    return _WORDS[address // _WORD - 1] or 0
 
 
-def _operands(frame: _CallFrame, call: _Call) -> list[np.ndarray]:
-    """Read-only views of the operands; for an aliased operand, a writable view of the result
-    XLA aliased to it (it holds the operand's values)."""
-    views = []
-    args, rets, pointer = frame.args.items, frame.rets.items, _P.from_address
-    for (shape, dtype), alias, arg in zip(call.ins, call.aliases, args):
-        buffer = arg if alias is None else rets[alias]
-        address = pointer(buffer + _DATA_OFFSET).value
-        if not address:  # zero-size operand
-            views.append(np.empty(shape, dtype))
+def _buffer(items: int, index: int) -> int:
+    """The data address of buffer ``index`` of the frame's arguments or results (``items``:
+    the word at ``frame + _ARGS`` or ``frame + _RETS``)."""
+    return _word(_word(items + index * _WORD) + _DATA_OFFSET)
+
+
+def _operands(frame: int, call: _Call) -> tuple[list[np.ndarray], list[int]]:
+    """Read-only views of the operands (and their addresses); for an aliased operand, a
+    writable view of the result XLA aliased to it (it holds the operand's values)."""
+    views, addresses = [], []
+    tables = {_ARGS: _word(frame + _ARGS), _RETS: _word(frame + _RETS)}
+    for table, index, shape, dtype, raw, writable, _ in call.operand_views:
+        address = _buffer(tables[table], index) if raw is not None else 0
+        if raw is None or not address:  # zero-size operand
+            view = np.empty(shape, dtype)
         else:
-            views.append(np.asarray(_View(address, shape, dtype, alias is not None)).view(dtype))
-    return views
+            view = np.ndarray(shape, dtype, raw.from_address(address))
+            if not writable:
+                view.flags.writeable = False
+        views.append(view)
+        addresses.append(address)
+    return views, addresses
 
 
-def _outputs(frame: _CallFrame, call: _Call) -> list[np.ndarray | None]:
+def _outputs(frame: int, call: _Call) -> list[np.ndarray | None]:
     """Writable views of XLA's result buffers ``call.views`` (None for the others), for
     ``into``."""
     views: list[np.ndarray | None] = [None] * len(call.outs)
-    rets = frame.rets.items
-    for k in call.views:
-        shape, dtype = call.outs[k]
-        address = _P.from_address(rets[k] + _DATA_OFFSET).value
-        views[k] = (np.asarray(_View(address, shape, dtype, True)).view(dtype)
-                    if address else np.empty(shape, dtype))
+    rets = _word(frame + _RETS)
+    for k, shape, dtype, raw in call.result_views:
+        address = _buffer(rets, k) if raw is not None else 0
+        views[k] = (np.ndarray(shape, dtype, raw.from_address(address))
+                    if raw is not None and address else np.empty(shape, dtype))
     return views
 
 
-def _store(frame: _CallFrame, call: _Call, results: Sequence[np.ndarray]) -> None:
+def _store(frame: int, call: _Call, results: Sequence[np.ndarray],
+           operands: Sequence[np.ndarray] = (), addresses: Sequence[int] = (),
+           outputs: Sequence[np.ndarray | None] = ()) -> None:
     """Copy ``results`` into XLA's result buffers (each checked against its spec), or, with
     ``pieces``, each result's bytes out of the buffers ``results``; bytes already where they
-    belong (an ``into`` call's function wrote XLA's buffer itself) are not copied."""
-    rets = frame.rets.items
+    belong (an ``into`` call's function wrote XLA's buffer itself, or returned an aliased
+    operand's view: ``operands`` and ``outputs`` are the views it was given, ``addresses``
+    the operands') are not copied."""
     if call.pieces is not None:
-        bases = [_base(b) for b in results]
+        bases: dict[int, tuple[int, int]] = {}
         for b, n in call.need.items():
+            buffer = results[b]
+            if b < len(operands) and buffer is operands[b]:
+                bases[b] = (addresses[b], call.operand_views[b][6])
+            else:
+                bases[b] = _base(buffer)
             if bases[b][1] < n:
                 raise ValueError(f"hora.jax host call: buffer {b} holds {bases[b][1]} bytes, "
                                  f"{n} expected")
-        memmove, pointer = C.memmove, _P.from_address
-        for k, b, offset, n in call.copies:  # the hot loop of a packed tree: one copy a leaf
-            target = pointer(rets[k] + _DATA_OFFSET).value or _null()
+        memmove, rets = C.memmove, _word(frame + _RETS)
+        for k, b, offset, n, alias in call.copies:  # the hot loop of a packed tree
+            if alias is not None and results[b] is operands[b]:
+                continue  # reduced in place: XLA's result buffer already
+            if outputs and offset == 0 and results[b] is outputs[k]:
+                continue  # written into XLA's result buffer by the function
+            target = _buffer(rets, k) or _null()
             if target != bases[b][0] + offset:
                 memmove(target, bases[b][0] + offset, n)
         return
@@ -192,6 +235,8 @@ def _store(frame: _CallFrame, call: _Call, results: Sequence[np.ndarray]) -> Non
         raise ValueError(f"hora.jax host call: {len(results)} results, {len(call.outs)} "
                          "expected")
     for k, (result, (shape, dtype)) in enumerate(zip(results, call.outs)):
+        if outputs and result is outputs[k]:
+            continue  # the function wrote XLA's result buffer itself
         out = np.asarray(result)
         if out.shape != shape:
             raise ValueError(f"hora.jax host call: result {k} has shape {out.shape}, "
@@ -199,21 +244,13 @@ def _store(frame: _CallFrame, call: _Call, results: Sequence[np.ndarray]) -> Non
         if out.dtype != dtype:
             out = out.astype(dtype)
         if call.nbytes[k]:
-            target, source = _data(rets[k]), _base(out)[0]
+            target, source = _buffer(_word(frame + _RETS), k) or _null(), _base(out)[0]
             if target != source:
                 C.memmove(target, source, call.nbytes[k])
 
 
 def _null() -> int:
     raise ValueError("hora.jax host call: XLA passed a result buffer without memory")
-
-
-def _data(buffer: int) -> int:
-    """The data address of the XLA_FFI_Buffer at ``buffer``."""
-    address = _P.from_address(buffer + _DATA_OFFSET).value
-    if not address:
-        raise ValueError("hora.jax host call: XLA passed a result buffer without memory")
-    return int(address)
 
 
 def _base(array: np.ndarray) -> tuple[int, int]:
@@ -223,35 +260,43 @@ def _base(array: np.ndarray) -> tuple[int, int]:
     return int(array.__array_interface__["data"][0]), int(array.nbytes)
 
 
-def _error(frame: _CallFrame, exc: BaseException) -> int | None:
+def _error(frame: int, exc: BaseException) -> int | None:
     """An XLA_FFI_Error carrying ``exc``'s text (XLA raises it as the JAX runtime error)."""
-    create = _ERROR_CREATE(_P.from_address(int(frame.api) + _API_ERROR_CREATE_OFFSET).value or 0)
+    create = _ERROR_CREATE(_word(_word(frame + _API) + _API_ERROR_CREATE_OFFSET))
     message = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")
     args = _ErrorCreateArgs(C.sizeof(_ErrorCreateArgs), None, message, _INTERNAL)
     result: int | None = create(C.byref(args))
     return result
 
 
-def _handle(pointer: Any) -> int | None:
-    """The FFI handler: answers XLA's metadata query, runs the call at the execute stage."""
-    frame = pointer.contents
+def _metadata(extension: int) -> bool:
+    """Answer XLA's metadata query when ``extension`` (the frame's first) is one."""
+    if _ExtensionBase.from_address(extension).type != _METADATA:
+        return False
+    meta = _MetadataExtension.from_address(extension).metadata.contents
+    meta.api_version.major, meta.api_version.minor = _API_VERSION
+    if meta.struct_size >= _Metadata.traits.offset + 4:
+        meta.traits = 0
+    return True
+
+
+def _handle(frame: int) -> int | None:
+    """The FFI handler (``frame``: the call frame's address): answers XLA's metadata query,
+    runs the call at the execute stage."""
     try:
-        if frame.extension_start:
-            ext = _ExtensionBase.from_address(frame.extension_start)
-            if ext.type == _METADATA:
-                meta = _MetadataExtension.from_address(frame.extension_start).metadata.contents
-                meta.api_version.major, meta.api_version.minor = _API_VERSION
-                if meta.struct_size >= _Metadata.traits.offset + 4:
-                    meta.traits = 0
-                return None
-        if frame.stage != _EXECUTE:
+        extension = _word(frame + _EXTENSION)
+        if extension and _metadata(extension):
             return None
-        key = C.c_int64.from_address(_Scalar.from_address(frame.attrs.attrs[0]).value).value
-        call = _CALLS[key]
+        if C.c_int.from_address(frame + _STAGE).value != _EXECUTE:
+            return None
+        call = _CALLS[C.c_int64.from_address(
+            _word(_word(_word(frame + _ATTRS)) + _SCALAR_VALUE)).value]
+        operands, addresses = _operands(frame, call)
         if call.into:
-            _store(frame, call, call.fn(_operands(frame, call), _outputs(frame, call)))
+            outputs = _outputs(frame, call)
+            _store(frame, call, call.fn(operands, outputs), operands, addresses, outputs)
         else:
-            _store(frame, call, call.fn(_operands(frame, call)))
+            _store(frame, call, call.fn(operands), operands, addresses)
         return None
     except BaseException as exc:  # noqa: BLE001 - every error goes back to XLA, none escapes
         try:
@@ -261,7 +306,7 @@ def _handle(pointer: Any) -> int | None:
             raise
 
 
-_HANDLER = C.CFUNCTYPE(_P, C.POINTER(_CallFrame))(_handle)
+_HANDLER = C.CFUNCTYPE(_P, _P)(_handle)
 _registered: bool | None = None
 
 
