@@ -159,6 +159,10 @@ _EXTENSION = _CallFrame.extension_start.offset
 _STAGE = _CallFrame.stage.offset
 _SCALAR_VALUE = _Scalar.value.offset
 _API = _CallFrame.api.offset
+_DATA_WORD = _DATA_OFFSET // _WORD - 1
+"""``_WORDS[buffer // _WORD + _DATA_WORD]``: the data address of the buffer struct at
+``buffer`` (its ``data`` field is pointer-aligned)."""
+assert _DATA_OFFSET % _WORD == 0
 
 
 def _word(address: int) -> int:
@@ -221,15 +225,17 @@ def _store(frame: int, call: _Call, results: Sequence[np.ndarray],
             if bases[b][1] < n:
                 raise ValueError(f"hora.jax host call: buffer {b} holds {bases[b][1]} bytes, "
                                  f"{n} expected")
-        memmove, rets = C.memmove, _word(frame + _RETS)
-        for k, b, offset, n, alias in call.copies:  # the hot loop of a packed tree
+        memmove, words, starts = C.memmove, _WORDS, {b: at for b, (at, _) in bases.items()}
+        items = _word(frame + _RETS) // _WORD - 1  # words[items + k]: result k's buffer struct
+        for k, b, offset, n, alias in call.copies:  # the hot loop of a packed tree (inlined)
             if alias is not None and results[b] is operands[b]:
                 continue  # reduced in place: XLA's result buffer already
             if outputs and offset == 0 and results[b] is outputs[k]:
                 continue  # written into XLA's result buffer by the function
-            target = _buffer(rets, k) or _null()
-            if target != bases[b][0] + offset:
-                memmove(target, bases[b][0] + offset, n)
+            target = words[words[items + k] // _WORD + _DATA_WORD] or _null()
+            source = starts[b] + offset
+            if target != source:
+                memmove(target, source, n)
         return
     if len(results) != len(call.outs):
         raise ValueError(f"hora.jax host call: {len(results)} results, {len(call.outs)} "
