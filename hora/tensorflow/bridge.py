@@ -9,7 +9,10 @@ dtype tables) wrapped by :func:`host_call`:
 * in a graph (``tf.function``, Keras ``fit``), the call becomes one ``tf.numpy_function`` op
   (stateful, so ``tf.function`` runs the collectives of a trace in program order on every rank:
   the same order of automatic names everywhere, and no two of them competing for TensorFlow's
-  inter-op threads), and static shapes are set where Horovod's ops give them.
+  inter-op threads), and static shapes are set where Horovod's ops give them. A call whose
+  results are written into its inputs' memory (the gradients' in-place allreduce) is one
+  ``tf.py_function`` instead (:func:`host_call_in_place`), which hands TensorFlow back its own
+  buffers.
 
 The gradient rules (:mod:`hora.core.frontend.gradients`) run the same way, inside ``host_call``,
 over the core's numpy bridge (:class:`hora.core.frontend.host_bridge.HostBridge`, shared with
@@ -95,6 +98,49 @@ def host_call(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[tf.Tenso
         return _off_the_executor(graph_fn, inputs, dtypes, op)
     result = tf.numpy_function(graph_fn, list(inputs), list(dtypes), stateful=True, name=op)
     return list(result) if isinstance(result, (list, tuple)) else [result]
+
+
+def host_call_in_place(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[tf.Tensor],
+                       name: str = "hora") -> list[tf.Tensor]:
+    """:func:`host_call` of a ``fn`` that may write its results into its input arrays and
+    return those (inside ``tf.function`` only; the inputs' buffers must be this call's alone,
+    see :func:`hora.tensorflow.gradients.unshared`). Results of the inputs' dtypes.
+
+    One stateful ``tf.py_function`` op (program order, as :func:`host_call`): ``fn`` gets each
+    input as a numpy array over the tensor's own memory (writeable), and an input array it
+    returns goes back as the input tensor itself: TensorFlow's own buffer. A
+    ``tf.numpy_function`` would hand back a numpy-owned buffer instead, which no later kernel
+    may reuse for its output (TensorFlow forwards only buffers it allocated): the optimizer's
+    update would then allocate and fill a fresh buffer per gradient, one more pass over the
+    gradients' bytes in memory. A result that is not an input array goes back converted (a
+    copy where it is not 64-byte aligned).
+    """
+    dtypes = [x.dtype for x in inputs]
+
+    def run(*tensors: tf.Tensor) -> list[Any]:
+        arrays = [_own_memory(t) for t in tensors]
+        outs: list[Any] = list(fn(*arrays))
+        for i, (out, array) in enumerate(zip(outs, arrays)):
+            if out is array:
+                outs[i] = tensors[i]
+        return outs
+
+    op = name.replace(".", "_").replace("/", "_")
+    with tf.device("/device:CPU:0"):  # (host tensors in, the same tensors out)
+        result = tf.py_function(run, list(inputs), list(dtypes), name=op)
+    return list(result) if isinstance(result, (list, tuple)) else [result]
+
+
+def _own_memory(tensor: Any) -> np.ndarray:
+    """A writeable numpy array over ``tensor``'s own host memory, else a read-only copy of its
+    value (what :func:`host_call_in_place`'s ``fn`` must not write into)."""
+    # EagerTensor._numpy is what __array__ returns (numpy marks that view read-only); on the host
+    # it aliases the tensor, which two calls returning one address show.
+    array: np.ndarray = tensor._numpy()
+    if not array.flags.writeable or array.ctypes.data != tensor._numpy().ctypes.data:
+        array = np.array(array)
+        array.flags.writeable = False
+    return array
 
 
 def _off_the_executor(graph_fn: Callable[..., list[np.ndarray]], inputs: Sequence[tf.Tensor],
@@ -205,5 +251,5 @@ def rows_shape(tensor: tf.Tensor) -> tf.TensorShape:
     return tf.TensorShape([None] + shape.as_list()[1:])
 
 
-__all__ = ["HOST", "MOVE_DTYPES", "REDUCE_DTYPES", "check_dtype", "host_call", "in_tf1_graph",
-           "op_name", "rows_shape"]
+__all__ = ["HOST", "MOVE_DTYPES", "REDUCE_DTYPES", "check_dtype", "host_call", "host_call_in_place",
+           "in_tf1_graph", "op_name", "rows_shape"]

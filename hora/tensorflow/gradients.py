@@ -2,7 +2,7 @@
 
 :class:`GradientReducer` takes the gradients of one step (``None`` entries stay ``None``) and
 returns them reduced: dense gradients are compressed, then allreduced together in **one** host
-call (one ``tf.numpy_function`` op inside ``tf.function``: all submitted before any is waited
+call (one ``tf.py_function`` op inside ``tf.function``: all submitted before any is waited
 for, so the engine fuses them), by groups when ``groups`` is set
 (:func:`hora.core.frontend.distopt.allreduce_groups`); ``tf.IndexedSlices`` are allgathered unless
 ``sparse_as_dense``; gradients of local variables are only scaled by ``1/size`` (when
@@ -10,8 +10,9 @@ for, so the engine fuses them), by groups when ``groups`` is set
 rank that builds the same model.
 
 Inside ``tf.function`` the gradients are reduced **in place**, in buffers TensorFlow hands to the
-host call, and handed back as they are (TensorFlow adopts them without a copy): no result
-memory besides the gradients' own, so a step touches 7 MiB less for 7 MiB of gradients. Each
+host call, and handed back as the same tensors
+(:func:`~hora.tensorflow.bridge.host_call_in_place`): no result memory besides the gradients'
+own, and TensorFlow's own buffers, which the optimizer's update may reuse for its output. Each
 gradient reaches the host call through :func:`unshared`, TensorFlow's own test of whether
 anything else holds its buffer (a variable's value, a constant, a tensor another op still
 reads): then, and only then, TensorFlow copies it first. Eagerly (the caller's tensors) and in
@@ -32,7 +33,7 @@ from hora.core.frontend import api as _api
 from hora.core.frontend import distopt
 from hora.core.frontend import grouped as _grouped
 from hora.core.op.process_set import ProcessSet
-from hora.tensorflow.bridge import check_dtype, host_call, in_tf1_graph
+from hora.tensorflow.bridge import check_dtype, host_call, host_call_in_place, in_tf1_graph
 from hora.tensorflow.buffers import OutputPool
 from hora.tensorflow.compression import Compressor, NoneCompressor
 from hora.tensorflow.mpi_ops import allreduce
@@ -160,7 +161,10 @@ class GradientReducer:
                         else self._singles(arrays, names, post))
             return self._pooled(arrays, names, post)
 
-        reduced = host_call(run, xs, [x.dtype for x in xs], f"{self.prefix}_Allreduce")
+        if in_place:
+            reduced = host_call_in_place(run, xs, f"{self.prefix}_Allreduce")
+        else:
+            reduced = host_call(run, xs, [x.dtype for x in xs], f"{self.prefix}_Allreduce")
         outs = []
         for r, x, (_, ctx) in zip(reduced, xs, pairs):
             r.set_shape(x.shape)
@@ -170,7 +174,7 @@ class GradientReducer:
     def _singles(self, arrays: Sequence[np.ndarray], names: list[str],
                  postscale: float | None = None) -> list[np.ndarray]:
         """Allreduce each array in place (the engine fuses them) and return the arrays: buffers
-        TensorFlow handed over unshared (:func:`unshared`), which it adopts back without a copy.
+        TensorFlow handed over unshared (:func:`unshared`), which go back as the same tensors.
         Largest first, so that the small ones share one fused collective. The calling thread
         runs the fast lane's collectives. (The step's host call in ``tf.function``: the step
         benchmarks time it under this name.)"""
