@@ -12,7 +12,14 @@ threads, which hold the GIL for their Python and take the core backward computes
 rank has no core beyond torch's compute threads (:func:`overlaps`), the hooks only note that a
 gradient is ready and ``synchronize()`` starts every allreduce at once and runs them on the
 calling thread (fused where the engine fuses): the same ops, names and results, without
-backward and the communication taking turns on one core. The ``torch_overlap`` knob
+backward and the communication taking turns on one core. Except for large gradients
+(:data:`INLINE_BYTES` and up): their hook starts the allreduce and runs it on the backward
+thread at once, while backward's freshly written gradient is still partly in cache (and the
+ones reduced last, the first layers', are the ones the optimizer reads first); the ranks reach
+those hooks together (data parallel: the same graph). The hook waits at most
+:data:`INLINE_WAIT_S`: a peer that reaches it later, or runs its hooks in another order, only
+leaves the op pending for ``synchronize()``, as in overlap mode (no rank blocks on an op its
+peers have not started). The ``torch_overlap`` knob
 (``HORA_TORCH_OVERLAP=auto|on|off``) forces either mode. Gradients on a GPU (any device but the
 CPU) always overlap: their backward runs on the device.
 
@@ -39,6 +46,7 @@ from hora.core.engine import context as _context
 from hora.core.frontend import distopt
 from hora.core.frontend import objects as _objects
 from hora.core.frontend import op_forms as _sp
+from hora.core.op.handle import BLOCKED_AFTER_S
 from hora.core.op.process_set import ProcessSet, global_process_set
 from hora.torch import ops
 from hora.torch.compression import Compression, Compressor
@@ -59,6 +67,17 @@ _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize(
 
 
 _SPARSE = object()  # the compression context of a sparse gradient's allreduce (none)
+
+INLINE_BYTES = 1 << 20
+"""Without overlap (module docstring), a dense ungrouped CPU gradient of at least this many bytes
+is allreduced in its hook, on the backward thread; smaller ones wait for ``synchronize()``,
+where they are fused (the signal rounds of one op per small gradient would cost more than
+their bytes). Decided from the gradient's size, so every rank decides alike."""
+
+INLINE_WAIT_S = min(0.02, BLOCKED_AFTER_S / 2)
+"""How long a hook waits for its inline allreduce (a peer a little behind, or preempted for a
+scheduler tick, still finds it running); past it the op is left to ``synchronize()``. Below
+the engine's blocked-wait report, so a hook's wait never counts towards deadlock detection."""
 
 OVERLAP: bool | None = None
 """Forces :func:`overlaps` (True or False) in this process, over the ``HORA_TORCH_OVERLAP`` knob
@@ -167,11 +186,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         return
                 else:
                     launched = self._allreduce_grad_async(p)
+            elif self._allreduce_delay[p] == 0 and self._inline(p):
+                launched = self._allreduce_grad_async(p, sync=True)
+                _wait_briefly(launched[0])
             self._handles[p] = launched
 
         return hook
 
     # ---- launching -----------------------------------------------------------------------------
+    def _inline(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s hook runs its allreduce (module docstring): no overlap, a dense CPU
+        gradient of :data:`INLINE_BYTES` or more, not in a group."""
+        grad = p.grad
+        return (grad is not None and not grad.is_sparse and grad.device.type == "cpu"
+                and p not in self._p_to_group
+                and grad.nelement() * grad.element_size() >= INLINE_BYTES)
+
     def _grad(self, p: torch.Tensor) -> torch.Tensor:
         if p.grad is None:  # this rank's graph skipped p: still take part, with zeros
             p.grad = torch.zeros_like(p)
@@ -307,6 +337,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = passes
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = passes
+
+
+def _wait_briefly(wait: Any) -> None:
+    """Run a just-started allreduce on this thread for at most :data:`INLINE_WAIT_S`. Whatever
+    happens is left in its handle: a pending op is waited for by ``synchronize()``, a failed
+    one raises there (as in Horovod, errors surface at synchronize, not in backward)."""
+    handle = wait.args[0]
+    try:
+        handle.wait(INLINE_WAIT_S)
+    except Exception:  # noqa: BLE001, S110 - kept in the handle; synchronize() waits again
+        pass
 
 
 def _result(handle: Any, convert: Any) -> Any:

@@ -103,6 +103,54 @@ def _forced(overlap: bool | list[bool], case: Callable[[Any, Any], None]
     return forced
 
 
+def _inlined(threshold: int | list[int], case: Callable[[Any, Any], None]
+             ) -> Callable[[Any, Any], None]:
+    """``case`` without overlap, its hooks running the allreduces of gradients of at least
+    ``threshold`` bytes on the backward thread (0: all); a list: per rank (a rank that does
+    not leaves its peer's hook waiting until its ``synchronize()``)."""
+    from hora.torch import optimizer
+
+    def inlined(hvd: Any, f: Any) -> None:
+        saved = optimizer.INLINE_BYTES
+        optimizer.INLINE_BYTES = (threshold[hvd.rank()] if isinstance(threshold, list)
+                                  else threshold)
+        try:
+            _forced(False, case)(hvd, f)
+        finally:
+            optimizer.INLINE_BYTES = saved
+    return inlined
+
+
+def inline_hooks(hvd: Any, f: Any) -> None:
+    """Without overlap, a large gradient's hook runs its allreduce at once: done (averaged in
+    place) before backward reaches the first layer; small ones are only noted as ready."""
+    from hora.torch import optimizer
+
+    model = _model()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(_sgd(model.parameters()),
+                                   named_parameters=model.named_parameters())
+    big = model[2].weight  # 24 float64s; 0.weight has 40, the biases 8 and 3
+    optimizer.INLINE_BYTES = big.numel() * big.element_size()
+    done: list[list[str]] = []
+
+    def first_layer_backward(module: Any, grad_in: Any, grad_out: Any) -> None:
+        done.append(sorted(opt._parameter_names[p] for p, (wait, _) in opt._handles.items()
+                           if wait is not None and wait.args[0].done()))
+
+    model[0].register_full_backward_hook(first_layer_backward)
+    x, y = _batch()
+    nn.functional.mse_loss(model(_mine(hvd, x)), _mine(hvd, y)).backward()
+    assert done == [["2.weight"]], done
+    assert torch.equal(big.grad, hvd.allreduce(big.grad.clone(), name="check"))  # one value
+    started = {opt._parameter_names[p]: wait is not None for p, (wait, _) in opt._handles.items()}
+    assert started == {"0.weight": True, "0.bias": False, "2.weight": True, "2.bias": False}, \
+        started
+    opt.step()
+    assert not opt._handles
+    _same_everywhere(hvd, model)
+
+
 def wrapped_class_and_overlap(hvd: Any, f: Any) -> None:
     """The wrapper is an SGD; allreduces of the last layer start while backward is still
     computing the first layer's gradients (with a core to spare for them), or are only noted
@@ -367,6 +415,15 @@ def cases() -> list[tuple[str, Any]]:
         ("fp16_compression_deferred", _forced(False, _equivalence(
             _sgd, torch.float32, {"rtol": 2e-3, "atol": 2e-3},
             compression=hvd_module.Compression.fp16))),
+        ("inline_hooks", _inlined(1 << 40, inline_hooks)),
+        ("sgd_momentum_float64_inline", _inlined(0, _equivalence(_sgd, torch.float64, F64))),
+        ("adam_float32_inline_on_one_rank_only", _inlined([0, 1 << 40], _equivalence(
+            _adam, torch.float32, F32))),
+        ("fp16_compression_inline", _inlined(0, _equivalence(
+            _sgd, torch.float32, {"rtol": 2e-3, "atol": 2e-3},
+            compression=hvd_module.Compression.fp16))),
+        ("backward_passes_per_step_inline", _inlined(0, backward_passes)),
+        ("unused_parameter_inline", _inlined(0, unused_parameter)),
         ("backward_passes_per_step_overlap", _forced(True, backward_passes)),
         ("unused_parameter_overlap", _forced(True, unused_parameter)),
         ("horovod_style_script", horovod_style_script),
