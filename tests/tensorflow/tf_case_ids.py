@@ -14,7 +14,8 @@ REJECTED = {family: ["bool", "int16", "complex64"]
     family: ["complex64", "string"] for family in ("allgather", "broadcast", "alltoall")}
 GRAPH_DTYPES = ("int32", "float32", "bfloat16")
 TF_ONLY = [f"graph-{d}" for d in GRAPH_DTYPES] + [
-    "grad-eager", "grad-graph", "tape-eager", "tape-graph", "tape-results", "variables-sparse",
+    "grad-eager", "grad-graph", "tape-eager", "tape-graph", "tape-results", "host-call-in-place",
+    "variables-sparse",
     "mismatch-eager", "mismatch-graph"] + [
     "v1-unordered", "v1-unordered-kinds", "v1-grouped-grad", "v1-names",
     "v1-broadcast-inplace", "error-types", "sparse-rules", "util"]  # tf_v1_cases.V1_IDS

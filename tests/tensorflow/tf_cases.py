@@ -318,11 +318,74 @@ def _mismatch(graph: bool) -> Case:
     return case
 
 
+def _host_call_in_place(hvd: Any) -> None:
+    """host_call_in_place (the gradients' in-place host call): results written into the
+    inputs' own memory come back as TensorFlow's own buffers (no copy, and a later kernel
+    may write its output there), other results are converted, errors keep TensorFlow's
+    mapping (ValueError -> InvalidArgumentError)."""
+    from hora.tensorflow.bridge import host_call_in_place
+    from hora.tensorflow.gradients import unshared
+
+    seen: list[int] = []
+
+    def address(t: Any) -> Any:
+        return tf.numpy_function(lambda a: np.int64(a.ctypes.data), [t], tf.int64)
+
+    def double(a: np.ndarray, b: np.ndarray) -> list[np.ndarray]:
+        seen.extend([a.ctypes.data, b.ctypes.data])
+        assert a.flags.writeable and b.flags.writeable
+        a *= 2.0
+        b += 1
+        return [a, b]
+
+    @tf.function
+    def step(x: tf.Tensor, y: tf.Tensor) -> tuple[Any, ...]:
+        a, b = host_call_in_place(double, [unshared(x * 1.0), unshared(y + 0)])
+        return a + 0.0, b, address(a)
+
+    @tf.function
+    def then(x: tf.Tensor, y: tf.Tensor) -> Any:
+        a, _ = host_call_in_place(double, [unshared(x * 1.0), unshared(y + 0)])
+        return address(a * 3.0)  # a's only reader: its kernel may write into a's buffer
+
+    x, y = tf.range(4096, dtype=tf.float32), tf.range(8, dtype=tf.int32)
+    for _ in range(3):
+        seen.clear()
+        a, b, where = step(x, y)
+        _eq(a, 2.0 * np.arange(4096), "in-place result")
+        _eq(b, np.arange(8) + 1.0, "in-place int result")
+        assert int(where) == seen[0], "the result is a copy of the input buffer"
+        seen.clear()
+        assert int(then(x, y)) == seen[0], "a later kernel could not reuse the result's buffer"
+    _eq(x, np.arange(4096), "the caller's tensor")
+
+    @tf.function
+    def fresh(x: tf.Tensor) -> tf.Tensor:
+        return host_call_in_place(lambda a: [a + 1.0], [unshared(x * 1.0)])[0]
+
+    _eq(fresh(tf.ones([16])), np.full(16, 2.0), "a converted result")
+
+    def bad(a: np.ndarray) -> list[np.ndarray]:
+        raise ValueError("bad argument")
+
+    @tf.function
+    def failing(x: tf.Tensor) -> tf.Tensor:
+        return host_call_in_place(bad, [unshared(x * 1.0)])[0]
+
+    try:
+        failing(tf.ones([4]))
+    except tf.errors.InvalidArgumentError as exc:
+        assert "bad argument" in str(exc), str(exc)
+    else:
+        raise AssertionError("the host call's ValueError was not raised")
+
+
 def cases() -> list[tuple[str, Case]]:
     out: list[tuple[str, Case]] = [(f"graph-{d}", _graph(d)) for d in GRAPH_DTYPES]
     out += [("grad-eager", _gradients(False)), ("grad-graph", _gradients(True)),
             ("tape-eager", _tape(False)), ("tape-graph", _tape(True)),
-            ("tape-results", _tape_results), ("variables-sparse", _variables),
+            ("tape-results", _tape_results), ("host-call-in-place", _host_call_in_place),
+            ("variables-sparse", _variables),
             ("mismatch-eager", _mismatch(False)), ("mismatch-graph", _mismatch(True))]
     out += tf_v1_cases.cases()
     assert [case_id for case_id, _ in out] == TF_ONLY, "update tf_case_ids.TF_ONLY"
