@@ -173,18 +173,18 @@ class GradientReducer:
 
     def _singles(self, arrays: Sequence[np.ndarray], names: list[str],
                  postscale: float | None = None) -> list[np.ndarray]:
-        """Allreduce each array in place (the engine fuses them) and return the arrays: buffers
-        TensorFlow handed over unshared (:func:`unshared`), which go back as the same tensors.
-        Largest first, so that the small ones share one fused collective. The calling thread
-        runs the fast lane's collectives. (The step's host call in ``tf.function``: the step
-        benchmarks time it under this name.)"""
+        """Allreduce each array in place, submitted together (one fast-lane unit: one fused
+        collective where it fits), and return the arrays: buffers TensorFlow handed over
+        unshared (:func:`unshared`), which go back as the same tensors. Largest first (where
+        the fused op is split at the fusion limit, the small ones share one collective). The
+        calling thread runs the fast lane's collectives. (The step's host call in
+        ``tf.function``: the step benchmarks time it under this name.)"""
         order = sorted(range(len(arrays)), key=lambda i: -arrays[i].nbytes)
-        op, pre, pset = self.op, self.prescale, self.process_set
         post = self.postscale if postscale is None else postscale
-        handles = [_api.allreduce_async(arrays[i], name=names[i], op=op, prescale_factor=pre,
-                                        postscale_factor=post, process_set=pset, inplace=True,
-                                        sync=True) for i in order]
-        _wait_all(handles)
+        _wait_all(_grouped.allreduce_unit_async(
+            [arrays[i] for i in order], [names[i] for i in order], op=self.op,
+            prescale_factor=self.prescale, postscale_factor=post,
+            process_set=self.process_set, inplace=True, sync=True))
         return list(arrays)
 
     def _pooled(self, arrays: Sequence[np.ndarray], names: list[str],

@@ -107,13 +107,17 @@ def test_cached_group_runs_as_one_fused_lane_op_with_exact_results(world: Any, n
     assert _stat(w, "slots") == [10] * n and _stat(w, "off") == [False] * n
 
 
-@pytest.mark.parametrize(("sizes", "batches"), [
-    ([3, SOLO_BYTES // 4, 5, 7], 3),  # the 1 MiB tensor runs alone, the small ones around it
-    ([SOLO_BYTES // 16 + 1] * 4, 1),  # over SOLO_BYTES together, each under it (float32)
+@pytest.mark.parametrize(("sizes", "prescale", "batches"), [
+    ([3, SOLO_BYTES // 4, 5, 7], 1.0, 1),  # reduced over the arrays themselves: all fused
+    ([3, SOLO_BYTES // 4, 5, 7], 2.0, 3),  # packed (a prescale): the 1 MiB one runs alone
+    ([SOLO_BYTES // 16 + 1] * 4, 2.0, 1),  # over SOLO_BYTES together, each under it (float32)
 ])
-def test_tensors_of_a_mebibyte_run_alone(world: Any, sizes: list[int], batches: int) -> None:
-    """An allreduce of >= SOLO_BYTES is never fused (alone it needs no packing); smaller ones
-    still fuse even when together they exceed it."""
+def test_tensors_of_a_mebibyte_run_alone_where_fusing_packs(
+        world: Any, sizes: list[int], prescale: float, batches: int) -> None:
+    """An allreduce of >= SOLO_BYTES is not fused where the fused op would be packed into one
+    buffer (alone it needs no packing); smaller ones still fuse even when together they exceed
+    it. Where the fused op runs over the ops' own arrays (no prescale, shared memory), it
+    fuses with the others."""
     w = world(2)
     names = [f"solo.{k}" for k in range(len(sizes))]
 
@@ -122,10 +126,12 @@ def test_tensors_of_a_mebibyte_run_alone(world: Any, sizes: list[int], batches: 
 
     for i in range(3):
         before = _stat(w, "batches") if i else []  # the first round is negotiated
-        got = _wait_all([_unit(w, r, names, tensors(r, i)) for r in range(2)])
+        got = _wait_all([_unit(w, r, names, tensors(r, i), prescale=prescale)
+                         for r in range(2)])
         for result in got:
             for k, g in enumerate(result):
-                np.testing.assert_array_equal(g, tensors(0, i)[k] + tensors(1, i)[k])
+                np.testing.assert_array_equal(g, (tensors(0, i)[k] + tensors(1, i)[k])
+                                              * prescale)
         if i:
             assert _delta(before, _stat(w, "batches")) == [batches] * 2
 

@@ -65,6 +65,28 @@ def grouped_allreduce_async(tensors: Sequence[Any], *, name: str | None = None,
     return _submit_group(ctx, group, entries)
 
 
+def allreduce_unit_async(tensors: Sequence[Any], names: Sequence[str], *,
+                         op: int = ReduceOp.Average, prescale_factor: float = 1.0,
+                         postscale_factor: float = 1.0,
+                         process_set: ProcessSet = global_process_set, inplace: bool = False,
+                         sync: bool = False) -> list[Handle]:
+    """:func:`~hora.core.frontend.api.allreduce_async` of each tensor under its own name
+    (``allreduce.<name>``, no group: each is negotiated, named and reported as a single op),
+    submitted together: in a fast lane one *unit* (in units of at most
+    :data:`~hora.core.lane.fastlane.MAX_UNIT`), run whole, as one fused allreduce where it fits
+    the fusion limit, members of 1 MiB and more included where the fused op needs no packing
+    (:data:`~hora.core.lane.lane_leader.SOLO_BYTES`). An adapter's allreduces of one step's
+    gradients. The handles, in order."""
+    ctx = context.get("allreduce")
+    entries = [api.allreduce_entry(ctx, t, name, op, prescale_factor, postscale_factor,
+                                   process_set, inplace, None, "allreduce", "cpu", sync, "")
+               for t, name in zip(tensors, names, strict=True)]
+    step = fastlane.MAX_UNIT
+    for start in range(0, len(entries), step):
+        ctx.engine.submit_group(entries[start:start + step])
+    return [e.handle for e in entries]
+
+
 def grouped_allgather_async(tensors: Sequence[Any], *, name: str | None = None,
                             process_set: ProcessSet = global_process_set,
                             device: str = "cpu", sync: bool = False) -> Handle:
@@ -133,5 +155,5 @@ def sparse_allreduce_async(values: Any, indices: Any, *, name: str,
     return DerivedHandle(both, finish)
 
 
-__all__ = ["grouped_allgather_async", "grouped_allreduce_async", "grouped_reducescatter_async",
-           "sparse_allreduce_async"]
+__all__ = ["allreduce_unit_async", "grouped_allgather_async", "grouped_allreduce_async",
+           "grouped_reducescatter_async", "sparse_allreduce_async"]

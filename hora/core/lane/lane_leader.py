@@ -54,11 +54,16 @@ AGREED = 0
 """What :meth:`Leader._unit` finds when every member logged the same unit."""
 
 SOLO_BYTES = 1024 * 1024
-"""An allreduce of at least this many bytes runs as its own lane op, never fused with others.
-Alone it is reduced straight from its input into its output (the shared-memory ``chunked``
-algorithm with ``src``); fused it is packed into the segment and unpacked again, two more
-passes over its bytes, which cost more than the signal rounds fusion saves from about 1 MiB on.
-"""
+"""An allreduce of at least this many bytes runs as its own lane op, never fused with others,
+but with the members of its own unit where the route reduces a fused op over the ops' own
+arrays (:meth:`~hora.core.data.routing.Route.takes_parts`: no packing). Alone it is reduced
+straight from its input into its output (the shared-memory ``chunked`` algorithm with ``src``);
+packed it goes into the segment and out again, two more passes over its bytes, which cost more
+than the signal rounds fusion saves from about 1 MiB on. Unpacked, a grouped call's large
+members share one collective's signal rounds and pipeline (a Keras step's 7 MiB in six
+gradients: one collective instead of three). Separate ops logged one after another are not
+fused with a large one even then: a torch step whose hooks submit them during ``backward``
+measured slower so (issue 29)."""
 
 
 class Leader:
@@ -225,10 +230,19 @@ class Leader:
             grown = total + slot.nbytes
             if grown > self._cache.limit or not first.fuses_with(slot) \
                     or not self._route.fits(grown) \
-                    or max(first.nbytes, slot.nbytes) >= SOLO_BYTES:
+                    or (max(first.nbytes, slot.nbytes) >= SOLO_BYTES
+                        and self._packs(first, grown)):
                 break
             total, n = grown, n + 1
         return n, total
+
+    def _packs(self, first: Slot, nbytes: int) -> bool:
+        """Whether a fused allreduce of ``nbytes`` with ``first``'s fusion key is packed into
+        one buffer (:data:`SOLO_BYTES`), rather than reduced over the ops' own arrays (the
+        executor's rule: no prescale, an op and size the route takes as parts)."""
+        fusion = first.fusion
+        return fusion is None or fusion.prescale != 1.0 \
+            or not self._route.takes_parts(nbytes, fusion.op)
 
     def _publish(self, kind: int, length: int) -> None:
         self._boards.publish(self._published, kind, length)
