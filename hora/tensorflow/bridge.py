@@ -119,11 +119,10 @@ def host_call_in_place(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence
 
     def run(*tensors: tf.Tensor) -> list[Any]:
         arrays = [_own_memory(t) for t in tensors]
-        outs: list[Any] = list(fn(*arrays))
-        for i, (out, array) in enumerate(zip(outs, arrays)):
-            if out is array:
-                outs[i] = tensors[i]
-        return outs
+        outs = list(fn(*arrays))
+        result = [t if out is array else out for t, out, array in zip(tensors, outs, arrays)]
+        del arrays, outs  # (the views of TensorFlow's buffers go while the op still runs)
+        return result
 
     op = name.replace(".", "_").replace("/", "_")
     with tf.device("/device:CPU:0"):  # (host tensors in, the same tensors out)
@@ -132,13 +131,13 @@ def host_call_in_place(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence
 
 
 def _own_memory(tensor: Any) -> np.ndarray:
-    """A writeable numpy array over ``tensor``'s own host memory, else a read-only copy of its
-    value (what :func:`host_call_in_place`'s ``fn`` must not write into)."""
-    # EagerTensor._numpy is what __array__ returns (numpy marks that view read-only); on the host
-    # it aliases the tensor, which two calls returning one address show.
+    """A numpy array over ``tensor``'s own memory: writeable where ``fn`` may write its result
+    there. ``EagerTensor._numpy`` is what ``__array__`` returns (numpy marks that view
+    read-only): for a host tensor (the op runs on the CPU: TensorFlow hands it host tensors) an
+    array over the tensor's buffer; anything else is made read-only (``fn`` then writes its
+    results elsewhere)."""
     array: np.ndarray = tensor._numpy()
-    if not array.flags.writeable or array.ctypes.data != tensor._numpy().ctypes.data:
-        array = np.array(array)
+    if array.base is None:  # (a copy, which owns its data: writing into it changes nothing)
         array.flags.writeable = False
     return array
 
