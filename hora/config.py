@@ -31,7 +31,7 @@ NON_KNOB_HORA_VARS: frozenset[str] = frozenset({
     "HORA_RANK", "HORA_SIZE", "HORA_LOCAL_RANK", "HORA_LOCAL_SIZE", "HORA_CROSS_RANK",
     "HORA_CROSS_SIZE", "HORA_RENDEZVOUS_ADDR", "HORA_RENDEZVOUS_PORT", "HORA_SECRET_KEY",
     "HORA_JOB_ID", "HORA_LAUNCHER", "HORA_LAUNCHER_PID", "HORA_ELASTIC_WORKER_ID",
-    "HORA_TEST_WORKER", "HORA_DEBUG",
+    "HORA_TEST_WORKER", "HORA_DEBUG", "HORA_BOUND_CPUS",
 })
 
 
@@ -222,6 +222,7 @@ class Config:
     autotune_bayes_opt_max_samples: int = 20
     autotune_gaussian_process_noise: float = 0.8
     thread_affinity: str = ""
+    cpu_binding: str = "auto"
     num_nccl_streams: int = 1
     mpi_threads_disable: bool = False
     controller: str = "gloo"

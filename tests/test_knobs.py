@@ -287,13 +287,26 @@ def test_thread_affinity_pins_each_local_rank_s_engine_threads_in_a_real_job() -
 
 
 @_needs_two_cores
-def test_without_thread_affinity_nothing_is_pinned() -> None:
-    rc, out, err = _hora_run(2, _AFFINITY_WORKER, {})
+def test_without_thread_affinity_nor_cpu_binding_nothing_is_pinned() -> None:
+    rc, out, err = _hora_run(2, _AFFINITY_WORKER, {"HORA_CPU_BINDING": "none"})
     assert rc == 0, out + err
     everything = _ranges(os.sched_getaffinity(0))
     threads = [p.split() for p in _payloads(out, "THREAD ")]
     assert {t[2] for t in threads} >= {"hora-engine", "hora-lane-0", "MainThread"}
     assert all(t[3] == everything for t in threads), threads
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binds two ranks to two cores")
+def test_cpu_binding_puts_every_thread_of_a_rank_on_its_share() -> None:
+    from hora.runner.binding import share
+
+    rc, out, err = _hora_run(2, _AFFINITY_WORKER, {})  # --cpu-binding auto, the default
+    assert rc == 0, out + err
+    cores = sorted(os.sched_getaffinity(0))
+    threads = [p.split() for p in _payloads(out, "THREAD ")]
+    assert {t[2] for t in threads} >= {"hora-engine", "hora-lane-0", "MainThread"}
+    for _, rank, name, mask in threads:
+        assert mask == _ranges(set(share(cores, int(rank), 2) or ())), (name, threads)
 
 
 def test_thread_affinity_with_too_few_cores_fails_the_job_naming_the_knob() -> None:

@@ -13,6 +13,21 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+BOUND_VAR = "HORA_BOUND_CPUS"
+"""Set by ``hora run`` for each rank it bound to a share of its host's cores (``--cpu-binding``):
+the cores, as a list like ``0-3,8``."""
+
+
+def cores_per_rank(local_size: int) -> float:
+    """The cores one of ``local_size`` ranks on this host has to itself: its own mask when
+    ``hora run`` bound it to its share (:data:`BOUND_VAR`), else the mask shared by all of
+    them, divided among them."""
+    usable = usable_cpus()
+    if os.environ.get(BOUND_VAR):
+        return float(usable)
+    return usable / max(1, local_size)
+
+
 AFFINITY_BYTES = 128
 """Bytes of an :func:`affinity_record` (CPUs 0-1023; higher ones count as CPU 1023)."""
 
@@ -40,4 +55,5 @@ def union_cores(records: list[bytes]) -> int:
     return max(1, bin(union).count("1"))
 
 
-__all__ = ["AFFINITY_BYTES", "affinity_record", "union_cores", "usable_cpus"]
+__all__ = ["AFFINITY_BYTES", "BOUND_VAR", "affinity_record", "cores_per_rank", "union_cores",
+           "usable_cpus"]

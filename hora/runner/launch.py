@@ -40,7 +40,7 @@ from hora.config import KNOBS_BY_NAME, Config, cli_value_to_env, load
 from hora.errors import ConfigError
 from hora.rendezvous.kvstore import KVStoreServer
 from hora.rendezvous.topology import Slot, compute_topology, identity_environment
-from hora.runner import network, processes, ssh
+from hora.runner import binding, network, processes, ssh
 from hora.runner.hosts import HostSlots, assign_hosts, is_local_host, parse_hostfile, parse_hosts
 from hora.runner.local import CONSOLE, Console, RankLaunch, run_local
 from hora.runner.mpi_launch import launch_mpi
@@ -194,11 +194,16 @@ def _check_remote_hosts(remote: Remote, address: str, config: Config,
 
 
 def rank_launch(slot: Slot, env: dict[str, str], spec: LaunchSpec, remote: Remote,
-                 gate: ssh.StartGate) -> RankLaunch:
+                 gate: ssh.StartGate, config: Config | None = None) -> RankLaunch:
     """A local rank runs ``spec.command`` with ``env``; a remote one runs ssh, and ``env`` (less
-    what Horovod never forwards to other hosts) goes over ssh's stdin."""
+    what Horovod never forwards to other hosts) goes over ssh's stdin. With ``config`` a local
+    rank is bound to its share of this host's cores as ``--cpu-binding`` says
+    (:mod:`hora.runner.binding`)."""
     if slot.hostname not in remote.hosts:
-        return RankLaunch(slot, env)
+        cpus = binding.cores_for(config.cpu_binding if config is not None else "none",
+                                 config.thread_affinity if config is not None else "",
+                                 slot.local_rank, slot.local_size)
+        return RankLaunch(slot, {**env, **binding.bound_environment(cpus)}, cpus=cpus)
     sent = {k: v for k, v in env.items() if not _NOT_FORWARDED_REMOTE.match(k)}
     request = ssh.rank_request(argv=spec.command, env=sent, cwd=os.getcwd(),
                                grace=remote.grace, rank=slot.rank, host=slot.hostname,
@@ -282,7 +287,8 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None,
             _check_remote_hosts(remote, where.address, config, console, spec.verbose)
         with ssh.StartGate(timeout=remote.options.connect_timeout + 5.0) as gate:
             ranks = [rank_launch(slot, {**base, **rendezvous, **identity_environment(slot),
-                                         SECRET_VAR: secret}, spec, remote, gate)
+                                         SECRET_VAR: secret}, spec, remote, gate,
+                                 config)
                      for slot in slots]
             return run_local(spec.command, ranks, output_dir=spec.output_filename,
                              prefix_timestamp=spec.prefix_timestamp, console=console)

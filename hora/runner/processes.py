@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from hora.rendezvous.topology import Slot
+from hora.runner import binding
 from hora.runner.failures import WorkerFailure
 from hora.runner.output import Console, _Relay, rank_output_dir
 from hora.runner.rank_errors import HeldErrors
@@ -44,7 +45,8 @@ class RankLaunch:
     ``argv`` replaces the job's command for this rank (e.g. the ``ssh`` that starts a remote
     rank); ``stdin``, when given, is written to the process's stdin, which then stays open
     until the launcher stops the rank by closing it; ``before_start`` is called just before the
-    process starts (e.g. to pace ssh connections to one host).
+    process starts (e.g. to pace ssh connections to one host); ``cpus``: the cores the process
+    is bound to (:mod:`hora.runner.binding`), None: not bound.
     """
 
     slot: Slot
@@ -52,6 +54,7 @@ class RankLaunch:
     argv: Sequence[str] | None = None
     stdin: bytes | None = field(default=None, repr=False)
     before_start: Callable[[], None] | None = None
+    cpus: tuple[int, ...] | None = None
 
 
 def _resolve(program: str, env: Mapping[str, str]) -> str:
@@ -189,6 +192,7 @@ def spawn(command: Sequence[str], launch: RankLaunch, label: int, *, size: int,
     argv = list(command) if launch.argv is None else list(launch.argv)
     if preexec is None:
         preexec = _parent_death_signal()
+    preexec = binding.with_binding(launch.cpus, preexec)
     if launch.before_start is not None:
         launch.before_start()
     try:
@@ -196,7 +200,7 @@ def spawn(command: Sequence[str], launch: RankLaunch, label: int, *, size: int,
             argv, env=dict(launch.env),
             stdin=subprocess.DEVNULL if launch.stdin is None else subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-            # preexec only calls prctl / getppid / kill: it takes no Python-level lock,
+            # preexec only calls sched_setaffinity / prctl / getppid / kill: it takes no lock,
             # so the fork-with-threads hazard does not apply.
             preexec_fn=preexec, close_fds=True)  # noqa: PLW1509
     except OSError as exc:

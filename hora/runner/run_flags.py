@@ -44,7 +44,7 @@ _KNOB_GROUP: dict[str, str] = {
     "timeline": "timeline", "timeline_mark_cycles": "timeline",
     "stall_check_time_seconds": "stall", "stall_shutdown_time_seconds": "stall",
     "mpi_threads_disable": "library", "num_nccl_streams": "library",
-    "thread_affinity": "library", "gloo_timeout_seconds": "library",
+    "thread_affinity": "library", "cpu_binding": "general", "gloo_timeout_seconds": "library",
     "timeout_seconds": "library", "log_level": "logging", "log_hide_time": "logging",
     "data_plane": "controller",
     "elastic_replace_limit": "elastic", "elastic_replace_backoff": "elastic",

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 import hora
-from hora._util.cpus import usable_cpus
+from hora._util.cpus import cores_per_rank
 from hora._util.log import get_logger
 from hora.collectives.ops import ReduceOp
 from hora.core.engine import context as _context
@@ -93,7 +93,7 @@ def overlaps(local_size: int, mode: str = "auto") -> bool:
         return OVERLAP
     if mode != "auto":
         return mode == "on"
-    return usable_cpus() >= max(1, local_size) * (torch.get_num_threads() + 1)
+    return cores_per_rank(local_size) >= torch.get_num_threads() + 1
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):

@@ -23,6 +23,15 @@ def test_auto_asks_for_a_core_per_rank_beyond_torchs_threads() -> None:
     assert optimizer.overlaps(cpus + 1, "auto") is False  # more ranks than cores: never
 
 
+def test_a_rank_bound_by_hora_run_counts_its_own_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    # hora run --cpu-binding auto gave this rank its share: the mask is its own, not shared
+    monkeypatch.setenv("HORA_BOUND_CPUS", "0")
+    threads = torch.get_num_threads()
+    assert optimizer.overlaps(64, "auto") is (usable_cpus() >= threads + 1)
+    monkeypatch.delenv("HORA_BOUND_CPUS")
+    assert optimizer.overlaps(64, "auto") is (usable_cpus() / 64 >= threads + 1)
+
+
 def test_the_process_override_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(optimizer, "OVERLAP", True)
     assert optimizer.overlaps(1, "off") is True

@@ -1,0 +1,87 @@
+"""Binding each rank ``hora run`` starts on its own host to its own share of the host's cores
+(``--cpu-binding``, hora-only; ``HORA_CPU_BINDING``).
+
+With ``auto`` (the default) local rank ``i`` of ``n`` runs on the ``i``-th of ``n`` contiguous,
+near-equal parts of the cores the launcher may use, when there are at least as many cores as
+local ranks. Why: the frameworks size their thread pools
+to the mask they start with (torch, TensorFlow and XLA read it), so ranks stop taking each other's
+cores, and a rank's threads and caches stay on its cores (measured: docs/benchmarks.md, "CPU
+binding"). ``mpirun`` binds to cores by default for the
+same reasons; horovodrun passes ``--bind-to none``, which hora's ``--binding-args`` keeps for its
+mpirun launch.
+
+Not bound: ranks on other hosts (hora's agent there is standard-library only and does not bind
+yet), a single local rank (it has every core anyway), more local ranks than cores, a job
+that sets ``HOROVOD_THREAD_AFFINITY`` (its cores are the user's choice), elastic jobs (a worker's
+host share changes as workers come and go) and ranks that ``mpirun`` starts.
+
+The mask is set in the child between fork and exec (``preexec_fn``), before the program starts a
+thread; every thread and process it starts inherits it. The rank gets
+:data:`~hora._util.cpus.BOUND_VAR` naming its cores.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+from hora._util.cpus import BOUND_VAR
+
+Preexec = Callable[[], None]
+
+
+def share(cores: Sequence[int], local_rank: int, local_size: int) -> tuple[int, ...] | None:
+    """Local rank ``local_rank``'s part of ``cores`` (sorted, split into ``local_size``
+    contiguous parts whose sizes differ by at most one), or None when there is nothing to bind:
+    one local rank, or fewer cores than local ranks."""
+    if local_size < 2 or len(cores) < local_size or not 0 <= local_rank < local_size:
+        return None
+    ordered = sorted(cores)
+    base, extra = divmod(len(ordered), local_size)
+    start = local_rank * base + min(local_rank, extra)
+    return tuple(ordered[start:start + base + (1 if local_rank < extra else 0)])
+
+
+def cores_for(mode: str, thread_affinity: str, local_rank: int,
+              local_size: int) -> tuple[int, ...] | None:
+    """The cores to bind a rank to on this host under ``--cpu-binding`` ``mode``, or None."""
+    if mode != "auto" or thread_affinity.strip() or not hasattr(os, "sched_setaffinity"):
+        return None
+    return share(list(os.sched_getaffinity(0)), local_rank, local_size)
+
+
+def cpu_list(cores: Sequence[int]) -> str:
+    """``cores`` as a CPU list: ``0-3,8``."""
+    out: list[list[int]] = []
+    for c in sorted(cores):
+        if out and out[-1][1] == c - 1:
+            out[-1][1] = c
+        else:
+            out.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
+
+
+def bound_environment(cores: Sequence[int] | None) -> dict[str, str]:
+    """What a bound rank gets in its environment (nothing when it is not bound)."""
+    return {BOUND_VAR: cpu_list(cores)} if cores else {}
+
+
+def with_binding(cores: Sequence[int] | None, then: Preexec | None) -> Preexec | None:
+    """A ``preexec_fn`` that binds the child to ``cores`` and then runs ``then`` (``then``
+    alone when ``cores`` is None). It runs between fork and exec: one system call, no lock."""
+    if not cores:
+        return then
+    mask = frozenset(cores)
+
+    def preexec() -> None:
+        try:
+            os.sched_setaffinity(0, mask)
+        except OSError:  # a core went offline since: the rank runs unbound
+            pass
+        if then is not None:
+            then()
+
+    return preexec
+
+
+__all__ = ["bound_environment", "cores_for", "cpu_list", "share", "with_binding"]
