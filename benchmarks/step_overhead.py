@@ -26,9 +26,10 @@ and hora's extra time per step (``hora - nosync``) against ``bare``; then where 
 point goes (Keras, JAX: hora's host call in the compiled step; torch: ``synchronize()`` in
 ``step()``, after backward, the hooks' allreduces having started during it): its duration on
 rank 0, how long the earlier rank waited for the later one to get there, and the time from the
-later arrival to the first exit. Step times are rank 0's,
-from the end of a phase's first step to the end of its last (the first absorbs the ranks'
-drift from the previous phase).
+later arrival to the first exit; torch also the time its backward hooks spend running the large
+gradients' allreduces themselves (those of 1 MiB and more, without overlap). Step times are
+rank 0's, from the end of a phase's first step to the end of its last (the first absorbs the
+ranks' drift from the previous phase).
 """
 
 from __future__ import annotations
@@ -51,8 +52,11 @@ def _torch(args: argparse.Namespace) -> tuple[dict[str, Runner], list[tuple[int,
     from torch import nn
 
     import hora.torch as hvd
+    from hora.torch import optimizer as hora_optimizer
 
     torch.set_num_threads(1)
+    # large gradients' allreduces run in their backward hooks, on the backward thread
+    hora_optimizer._wait_briefly = _stamped(hora_optimizer._wait_briefly, INLINE)
     hvd.init()
     rank = hvd.rank()
 
@@ -208,15 +212,18 @@ def _jax(args: argparse.Namespace) -> tuple[dict[str, Runner], list[tuple[int, .
 CALLS: list[tuple[float, float]] = []
 """(entry, exit) of hora's host call (Keras, JAX) or of ``synchronize()`` (torch) during the
 measured hora phases."""
+INLINE: list[tuple[float, float]] = []
+"""torch: (entry, exit) of each allreduce a backward hook runs itself (large gradients)."""
 _TIMING = [False]
 
 
-def _stamped(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _stamped(fn: Callable[..., Any], into: list[tuple[float, float]] = CALLS
+             ) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         out = fn(*args, **kwargs)
         if _TIMING[0]:
-            CALLS.append((start, time.perf_counter()))
+            into.append((start, time.perf_counter()))
         return out
     return run
 
@@ -311,6 +318,10 @@ def _breakdown(framework: str, stamps: list[list[tuple[float, float]]]) -> None:
         1e3 * (max(e for e, _ in s) - min(e for e, _ in s)) for s in steps]))
     print(line("from the later entry to the first exit", [
         1e3 * (min(x for _, x in s) - max(e for e, _ in s)) for s in steps]), flush=True)
+    if INLINE:  # torch: the hooks' own allreduces, before synchronize()
+        print(f"  allreduces run in backward hooks (gradients of 1 MiB and more) on rank 0: "
+              f"{len(INLINE) / len(steps):.1f} per step, "
+              f"{1e3 * sum(b - a for a, b in INLINE) / len(steps):.2f} ms per step", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
