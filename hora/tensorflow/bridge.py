@@ -93,11 +93,11 @@ def host_call(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[tf.Tenso
     def graph_fn(*arrays: np.ndarray) -> list[np.ndarray]:
         return [np.asarray(o, dtype=d.as_numpy_dtype) for o, d in zip(fn(*arrays), dtypes)]
 
-    op = name.replace(".", "_").replace("/", "_")
+    op = _op_name(name)
     if in_tf1_graph() and _MapDataset is not None:
         return _off_the_executor(graph_fn, inputs, dtypes, op)
-    result = tf.numpy_function(graph_fn, list(inputs), list(dtypes), stateful=True, name=op)
-    return list(result) if isinstance(result, (list, tuple)) else [result]
+    return _as_list(tf.numpy_function(graph_fn, list(inputs), list(dtypes), stateful=True,
+                                      name=op))
 
 
 def host_call_in_place(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[tf.Tensor],
@@ -124,9 +124,17 @@ def host_call_in_place(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence
         del arrays, outs  # (the views of TensorFlow's buffers go while the op still runs)
         return result
 
-    op = name.replace(".", "_").replace("/", "_")
     with tf.device("/device:CPU:0"):  # (host tensors in, the same tensors out)
-        result = tf.py_function(run, list(inputs), list(dtypes), name=op)
+        return _as_list(tf.py_function(run, list(inputs), list(dtypes), name=_op_name(name)))
+
+
+def _op_name(name: str) -> str:
+    """A host call's graph op name: ``name`` with the characters TF op names refuse replaced."""
+    return name.replace(".", "_").replace("/", "_")
+
+
+def _as_list(result: Any) -> list[tf.Tensor]:
+    """A host call op's outputs as a list (TF returns a bare tensor for one output)."""
     return list(result) if isinstance(result, (list, tuple)) else [result]
 
 
