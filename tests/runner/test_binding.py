@@ -77,3 +77,22 @@ def test_ranks_are_not_bound_with_none_or_more_ranks_than_cores() -> None:
     got = masks("-np", over)
     assert sorted(got) == list(range(len(CORES) + 1))
     assert all(v == (CORES, None) for v in got.values())
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to bind two ranks apart")
+def test_the_binding_benchmark_runs_both_settings_and_torch_follows_the_mask() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_binding.py"
+    out = subprocess.run([sys.executable, str(script), "--jobs", "1", "--steps", "2",
+                          "--warmup", "1", "--hidden", "32", "--batch", "8"],
+                         capture_output=True, text=True, timeout=240, env=clean_env(),
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    share = len(binding.share(CORES, 0, 2) or ())
+    assert "auto: median" in out.stdout and "none: median" in out.stdout, out.stdout
+    assert "--cpu-binding auto: " in out.stdout
+    assert f"({share} torch threads per rank)" in out.stdout  # torch sized its pool to the share
+    assert "none / auto time:" in out.stdout
