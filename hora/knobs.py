@@ -238,12 +238,12 @@ KNOBS: tuple[Knob, ...] = (
        "of the list, as Horovod pins its background thread. Unset: no pinning.",
        check=_core_list_problem),
     _k("cpu_binding", str, "auto", "--cpu-binding",
-       "hora-only: 'auto': hora run binds each rank it starts on its own host to "
-       "its own share of the cores it may use (contiguous, as even as possible), "
+       "hora-only: 'auto': hora run binds each rank it starts (here and over ssh) to "
+       "its own share of the cores its host lets it use (contiguous, as even as possible), "
        "when every local rank gets a whole core and no thread affinity is set, so that the "
        "frameworks size their thread pools to that share and ranks do not take each other's "
        "cores (as mpirun binds by default); 'none': ranks run on every core the launcher "
-       "may use. Ranks on other hosts, elastic jobs and mpirun's ranks are not bound by hora.",
+       "may use. Elastic jobs and mpirun's ranks are not bound by hora.",
        alias=False, choices=("auto", "none")),
     _k("mpi_threads_disable", bool, False, "--mpi-threads-disable",
        "Horovod: ask MPI for MPI_THREAD_SINGLE. hora never initialises MPI, so neither thread "

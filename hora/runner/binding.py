@@ -1,17 +1,20 @@
-"""Binding each rank ``hora run`` starts on its own host to its own share of the host's cores
-(``--cpu-binding``, hora-only; ``HORA_CPU_BINDING``).
+"""Binding each rank ``hora run`` starts to its own share of its host's cores (``--cpu-binding``,
+hora-only; ``HORA_CPU_BINDING``).
 
 With ``auto`` (the default) local rank ``i`` of ``n`` runs on the ``i``-th of ``n`` contiguous,
-near-equal parts of the cores the launcher may use, when there are at least as many cores as
-local ranks. Why: the frameworks size their thread pools
+near-equal parts of the cores the launcher (on another host: hora's agent there) may use, when
+there are at least as many cores as local ranks. Why: the frameworks size their thread pools
 to the mask they start with (torch, TensorFlow and XLA read it), so ranks stop taking each other's
 cores, and a rank's threads and caches stay on its cores (measured: docs/benchmarks.md, "CPU
 binding"). ``mpirun`` binds to cores by default for the
 same reasons; horovodrun passes ``--bind-to none``, which hora's ``--binding-args`` keeps for its
 mpirun launch.
 
-Not bound: ranks on other hosts (hora's agent there is standard-library only and does not bind
-yet), a single local rank (it has every core anyway), more local ranks than cores, a job
+Ranks on other hosts are bound the same way by hora's agent there (:mod:`hora.runner.remote`),
+with that host's cores: this module is standard-library only, and :mod:`hora.runner.ssh` ships its
+source with the agent's.
+
+Not bound: a single local rank (it has every core anyway), more local ranks than cores, a job
 that sets ``HOROVOD_THREAD_AFFINITY`` (its cores are the user's choice), elastic jobs (a worker's
 host share changes as workers come and go) and ranks that ``mpirun`` starts.
 
@@ -25,7 +28,9 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-from hora._util.cpus import BOUND_VAR
+BOUND_VAR = "HORA_BOUND_CPUS"
+"""The variable naming a bound rank's cores (:data:`hora._util.cpus.BOUND_VAR`, which the ranks
+read; spelled out here too because this module runs where hora is not installed)."""
 
 Preexec = Callable[[], None]
 
@@ -84,4 +89,4 @@ def with_binding(cores: Sequence[int] | None, then: Preexec | None) -> Preexec |
     return preexec
 
 
-__all__ = ["bound_environment", "cores_for", "cpu_list", "share", "with_binding"]
+__all__ = ["BOUND_VAR", "bound_environment", "cores_for", "cpu_list", "share", "with_binding"]

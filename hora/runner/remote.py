@@ -1,20 +1,23 @@
 """The far end of a rank started over ssh: runs on the other host, standard library only.
 
 :mod:`hora.runner.ssh` runs ``<python> -c '<loader>' hora-rank=<r>`` on the remote host. The
-loader reads this module's *source* from the first line of stdin (a JSON string) and runs it,
-so the remote host needs Python but not hora. :func:`main` then reads the second line, a JSON
-object, and either checks the host (``{"check": {...}}``, see :func:`check`) or runs a rank::
+loader reads the *sources* of :mod:`hora.runner.binding` and this module from the first line of
+stdin (JSON) and runs them in one namespace, so the remote host needs Python but not hora.
+:func:`main` then reads the second line, a JSON object, and either checks the host
+(``{"check": {...}}``, see :func:`check`) or runs a rank::
 
     {"argv": [...], "env": {...}, "cwd": "...", "grace": 4.0, "rank": 3, "host": "b",
-     "segment_prefix": "hora-<job>-", "live_prefix": "hora-<job>.live."}
+     "cpu_share": [1, 2], "segment_prefix": "hora-<job>-", "live_prefix": "hora-<job>.live."}
 
 Running a rank:
 
 1. ``chdir(cwd)`` (horovodrun does ``cd <cwd> > /dev/null 2>&1``; a failure is reported here
    and the rank runs in the login directory, as there);
-2. start ``argv`` with the login environment updated by ``env`` (identity, rendezvous, the job
-   secret, forwarded variables), stdin from /dev/null, stdout / stderr straight into ssh's (no
-   copy), in a new session (its own process group) that gets SIGTERM if this process dies;
+2. start ``argv`` bound to its share of this host's cores when ``cpu_share`` (local rank, local
+   size) is given (:mod:`hora.runner.binding`), with the login environment updated by ``env``
+   (identity, rendezvous, the job secret, forwarded variables), stdin from /dev/null, stdout /
+   stderr straight into ssh's (no copy), in a new session (its own process group) that gets
+   SIGTERM if this process dies;
 3. wait. When stdin reaches EOF -- the launcher closed it to stop the rank, or ssh died, or the
    connection broke -- or this process gets SIGTERM / SIGHUP / SIGINT, the rank's process group
    gets SIGTERM, then SIGKILL after ``grace`` seconds;
@@ -39,6 +42,9 @@ import subprocess
 import sys
 import threading
 import time
+
+if "with_binding" not in globals():  # imported here; over ssh the loader ran binding's source
+    from hora.runner.binding import bound_environment, cores_for, with_binding  # in these globals
 from typing import Any
 
 EXIT_NO_CONNECT_BACK = 3
@@ -140,9 +146,13 @@ class _Rank:
         env.update(self.spec["env"])
         env["PWD"] = os.getcwd()
         argv = list(self.spec["argv"])
+        share = self.spec.get("cpu_share")
+        cpus = cores_for("auto", "", int(share[0]), int(share[1])) if share else None
+        env.update(bound_environment(cpus))
         try:
             self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, preexec_fn=_death_signal(),
+                                         start_new_session=True,
+                                         preexec_fn=with_binding(cpus, _death_signal()),
                                          close_fds=True)
         except OSError as exc:
             _say(f"cannot start rank {self.rank} on {self.host}: {argv[0]!r}: "

@@ -43,14 +43,16 @@ from pathlib import Path
 
 from hora._util import shm_names
 from hora.errors import ConfigError, HostCheckError
-from hora.runner import remote
+from hora.runner import binding, remote
 
 SSH_PROGRAM = "ssh"
 """The ssh client, looked up on ``PATH`` when a job needs it."""
 
-LOADER = ('import sys,json;exec(compile(json.loads(sys.stdin.buffer.readline()),'
-          '"<hora.runner.remote>","exec"))')
-"""What ``python -c`` runs on the remote host: read the bootstrap's source from stdin, run it."""
+LOADER = ('import sys,json;g=globals();[exec(compile(s,n,"exec"),g) for n,s in '
+          'json.loads(sys.stdin.buffer.readline())]')
+"""What ``python -c`` runs on the remote host: read the bootstrap's sources from stdin (a JSON
+list of ``[name, source]``: :mod:`hora.runner.binding`, then :mod:`hora.runner.remote`), run
+them in order in one namespace."""
 
 CONNECTING_PER_HOST = 8
 """ssh connections to one host that may be in setup (before authentication) at once."""
@@ -127,7 +129,8 @@ def remote_command(python: str, tag: str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _remote_source() -> str:
-    return json.dumps(Path(remote.__file__).read_text(encoding="utf-8"))
+    return json.dumps([[f"<{m.__name__}>", Path(str(m.__file__)).read_text(encoding="utf-8")]
+                       for m in (binding, remote)])
 
 
 def _request(body: Mapping[str, object]) -> bytes:
@@ -202,12 +205,15 @@ class StartGate:
 
 
 def rank_request(*, argv: Sequence[str], env: Mapping[str, str], cwd: str, grace: float,
-                 rank: int, host: str, job_id: str) -> bytes:
+                 rank: int, host: str, job_id: str,
+                 cpu_share: tuple[int, int] | None = None) -> bytes:
     """What the launcher writes to a remote rank's ssh stdin (then keeps it open until the rank
-    should stop). Holds the job secret: never log it."""
+    should stop). Holds the job secret: never log it. ``cpu_share``: (local rank, local size)
+    when the agent there binds the rank to its share of that host's cores."""
     valid = shm_names.valid_job_id(job_id)  # the names come from the one rule: the far end
     return _request({"argv": list(argv), "env": dict(env), "cwd": cwd, "grace": grace,
                      "rank": rank, "host": host,
+                     "cpu_share": list(cpu_share) if cpu_share is not None else None,
                      "segment_prefix": shm_names.segment_prefix(job_id) if valid else "",
                      "live_prefix": shm_names.live_marker_prefix(job_id) if valid else ""})
 

@@ -96,3 +96,9 @@ def test_the_binding_benchmark_runs_both_settings_and_torch_follows_the_mask() -
     assert "--cpu-binding auto: " in out.stdout
     assert f"({share} torch threads per rank)" in out.stdout  # torch sized its pool to the share
     assert "none / auto time:" in out.stdout
+
+
+def test_the_variable_the_ranks_read_is_the_one_the_launcher_sets() -> None:
+    from hora._util import cpus
+
+    assert binding.BOUND_VAR == cpus.BOUND_VAR  # (spelled twice: binding runs without hora)

@@ -10,9 +10,12 @@ test if anything tries to resolve a name. Real hosts are tested in test_multihos
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -80,12 +83,14 @@ def test_the_request_carries_the_environment_and_never_the_command_line() -> Non
     secret = "ab" * 32
     request = ssh.rank_request(argv=["python", "train.py"], env={"HORA_SECRET_KEY": secret},
                                cwd="/w", grace=2.0, rank=1, host="b", job_id="j1")
-    source, body = request.decode().splitlines()
-    assert json.loads(source).startswith('"""The far end of a rank started over ssh')
+    sources, body = request.decode().splitlines()
+    names = [name for name, _ in json.loads(sources)]
+    assert names == ["<hora.runner.binding>", "<hora.runner.remote>"]  # run in this order
+    assert json.loads(sources)[1][1].startswith('"""The far end of a rank started over ssh')
     assert json.loads(body) == {"argv": ["python", "train.py"],
                                 "env": {"HORA_SECRET_KEY": secret}, "cwd": "/w", "grace": 2.0,
-                                "rank": 1, "host": "b", "segment_prefix": "hora-j1-",
-                                "live_prefix": "hora-j1.live."}
+                                "rank": 1, "host": "b", "cpu_share": None,
+                                "segment_prefix": "hora-j1-", "live_prefix": "hora-j1.live."}
     bad = ssh.rank_request(argv=["x"], env={}, cwd="/w", grace=2.0, rank=1, host="b",
                            job_id="../etc")  # not a job id: the far end cleans nothing
     assert json.loads(bad.decode().splitlines()[1])["segment_prefix"] == ""
@@ -171,6 +176,71 @@ def test_remote_and_local_ranks(fake_path: str, tmp_path: Path) -> None:
     assert [c[-1].split()[-1] for c in calls].count("hora-check") == 1  # one check per host
     assert sorted(c[-1].split()[-1] for c in calls if "hora-rank" in c[-1]) == [
         "hora-rank=0", "hora-rank=1"]
+
+
+SHOW_MASK = ("import json, os; print(json.dumps([os.environ['HOROVOD_HOSTNAME'], "
+             "sorted(os.sched_getaffinity(0)), os.environ.get('HORA_BOUND_CPUS')]))")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binds two ranks to two cores")
+def test_remote_ranks_are_bound_to_their_share_of_that_hosts_cores(fake_path: str) -> None:
+    from hora.runner.binding import cpu_list, share
+
+    cores = sorted(os.sched_getaffinity(0))  # the fake host's: this machine's
+    with launcher(fake_path, "-np", "3", "-H", "fake1:2,localhost:1", PY, "-c",
+                  SHOW_MASK) as job:
+        result = job.wait(30)
+    assert result.rc == 0, result.err
+    got = {r: json.loads(lines[0]) for r, lines in result.lines().items()}
+    for rank in (0, 1):  # bound by hora's agent on fake1
+        host, mask, named = got[rank]
+        assert host == "fake1"
+        assert tuple(mask) == share(cores, rank, 2) and named == cpu_list(mask), got
+    assert got[2] == ["localhost", cores, None]  # alone on its host: not bound
+    with launcher(fake_path, "-np", "2", "-H", "fake1:2", "--cpu-binding", "none", PY, "-c",
+                  SHOW_MASK) as job:
+        result = job.wait(30)
+    assert result.rc == 0, result.err
+    assert all(json.loads(lines[0])[1:] == [cores, None] for lines in result.lines().values())
+
+
+def test_the_agent_and_binding_run_where_hora_is_not_installed(tmp_path: Path) -> None:
+    """The loader runs the shipped sources on a Python without hora (``-S``: no site-packages,
+    run from a directory without it): a host check, and a rank it binds."""
+    check = subprocess.run([PY, "-S", "-c", ssh.LOADER, "hora-check"],
+                           input=ssh._request({"check": {}}), capture_output=True,
+                           timeout=30, cwd=tmp_path, check=False)
+    assert check.returncode == 0, check.stderr
+    code = ("import os, sys; sys.stdout.write(repr([sorted(os.sched_getaffinity(0)), "
+            "os.environ.get('HORA_BOUND_CPUS')])); sys.stdout.flush()")
+    request = ssh.rank_request(argv=[PY, "-S", "-c", code], env={}, cwd=str(tmp_path),
+                               grace=1.0, rank=1, host="far", job_id="0123456789abcdef",
+                               cpu_share=(1, 2))
+    agent = subprocess.Popen([PY, "-S", "-c", ssh.LOADER, "hora-rank=1"], cwd=tmp_path,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    stop = threading.Timer(30, agent.kill)  # the test's bound
+    stop.start()
+    try:
+        assert agent.stdin is not None and agent.stdout is not None
+        agent.stdin.write(request)
+        agent.stdin.flush()  # kept open (EOF would stop the rank) until the agent exits
+        out = agent.stdout.read()  # to EOF: the rank and the agent have exited
+        agent.wait()
+    finally:
+        stop.cancel()
+        agent.kill()
+        agent.wait()
+        for pipe in (agent.stdin, agent.stdout, agent.stderr):
+            if pipe is not None:
+                pipe.close()
+    assert agent.returncode == 0
+    cores = sorted(os.sched_getaffinity(0))
+    from hora.runner.binding import cpu_list, share
+
+    part = share(cores, 1, 2)
+    expected = [list(part), cpu_list(part)] if part else [cores, None]
+    assert out.decode() == repr(expected)
 
 
 def test_uneven_hosts_first_host_smaller(fake_path: str, tmp_path: Path) -> None:
