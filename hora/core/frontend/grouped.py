@@ -31,12 +31,16 @@ from hora.core.op.handle import DerivedHandle, GroupHandle, Handle
 from hora.core.op.process_set import ProcessSet, global_process_set
 
 
-def _submit_group(ctx: context.Context, name: str, entries: list[Entry]) -> GroupHandle:
-    """Submit a grouped call's ops together (in units of at most
-    :data:`~hora.core.lane.fastlane.MAX_UNIT`); one handle for all."""
+def _submit_units(ctx: context.Context, entries: list[Entry]) -> None:
+    """Submit ops together, in units of at most :data:`~hora.core.lane.fastlane.MAX_UNIT`."""
     step = fastlane.MAX_UNIT
     for start in range(0, len(entries), step):
         ctx.engine.submit_group(entries[start:start + step])
+
+
+def _submit_group(ctx: context.Context, name: str, entries: list[Entry]) -> GroupHandle:
+    """Submit a grouped call's ops together (:func:`_submit_units`); one handle for all."""
+    _submit_units(ctx, entries)
     return GroupHandle(name, [e.handle for e in entries])
 
 
@@ -81,9 +85,7 @@ def allreduce_unit_async(tensors: Sequence[Any], names: Sequence[str], *,
     entries = [api.allreduce_entry(ctx, t, name, op, prescale_factor, postscale_factor,
                                    process_set, inplace, None, "allreduce", "cpu", sync, "")
                for t, name in zip(tensors, names, strict=True)]
-    step = fastlane.MAX_UNIT
-    for start in range(0, len(entries), step):
-        ctx.engine.submit_group(entries[start:start + step])
+    _submit_units(ctx, entries)
     return [e.handle for e in entries]
 
 
