@@ -20,8 +20,8 @@ in interleaved rounds (the order rotated per round):
   (``hora.allreduce_async_`` each, then one wait for all): what the bytes alone cost on this
   machine, in the same job, without any framework.
 
-It prints the median ms per step of each (``nosync``: each round the slowest rank's time, as a
-job without sync ends with its slowest rank; every rank's median too), the ``nosync / hora``
+It prints the median ms per step of each (``nosync``: the slowest rank's, as a job without sync
+ends with its slowest rank; every rank's median too), the ``nosync / hora``
 time ratio (ratio of the medians, and the median and range of the per-round ratios: the figure
 of issue 29's targets),
 and hora's extra time per step (``hora - nosync``) against ``bare``; then where the step's sync
@@ -286,13 +286,14 @@ def _report(args: argparse.Namespace, shapes: list[tuple[int, ...]],
             times: dict[str, list[float]], nosync: list[list[float]], load: list[float],
             same: bool) -> None:
     """Rank 0's medians; ``nosync`` is every rank's: a job without sync still ends with its
-    slowest rank, so each round's nosync time is the slowest rank's (ranks on cores of unequal
-    speed differ by up to ~10 % on this machine's VM; synced, every rank runs at the slowest
-    one's pace)."""
+    slowest rank, so the nosync series is the slowest rank's (by its median; ranks on cores of
+    unequal speed differ by up to ~10 % on this machine's VM; synced, every rank runs at the
+    slowest one's pace). Not each round's slower rank: that maximum of two noisy samples would
+    overstate nosync by the rounds' noise."""
     import numpy as np
 
     per_rank = [1e3 * statistics.median(t) for t in nosync]
-    times = {**times, "nosync": [max(r) for r in zip(*nosync)]}
+    times = {**times, "nosync": nosync[per_rank.index(max(per_rank))]}
     nbytes = sum(4 * int(np.prod(s)) for s in shapes)
     med = {v: 1e3 * statistics.median(t) for v, t in times.items()}
     ratios = [n / h for n, h in zip(times["nosync"], times["hora"])]
@@ -302,7 +303,7 @@ def _report(args: argparse.Namespace, shapes: list[tuple[int, ...]],
     for v in ("hora", "nosync", "bare"):
         ms = [1e3 * t for t in times[v]]
         print(f"  {v:>7}: median {med[v]:7.2f} ms/step  (min {min(ms):7.2f}, max {max(ms):7.2f})"
-              + ("  slowest rank's per round; per rank: "
+              + ("  the slowest rank's; per rank: "
                  + ", ".join(f"{m:.2f}" for m in per_rank) if v == "nosync" else ""))
     print(f"  nosync/hora: {med['nosync'] / med['hora']:.3f} (per-round median "
           f"{statistics.median(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f})")
