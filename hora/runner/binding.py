@@ -6,9 +6,8 @@ near-equal parts of the cores the launcher (on another host: hora's agent there)
 there are at least as many cores as local ranks. Why: the frameworks size their thread pools
 to the mask they start with (torch, TensorFlow and XLA read it), so ranks stop taking each other's
 cores, and a rank's threads and caches stay on its cores (measured: docs/benchmarks.md, "CPU
-binding"). ``mpirun`` binds to cores by default for the
-same reasons; horovodrun passes ``--bind-to none``, which hora's ``--binding-args`` keeps for its
-mpirun launch.
+binding"). ``mpirun`` binds to cores by default for the same reasons; horovodrun passes
+``--bind-to none``, which hora's ``--binding-args`` keeps for its mpirun launch.
 
 Ranks on other hosts are bound the same way by hora's agent there (:mod:`hora.runner.remote`),
 with that host's cores: this module is standard-library only, and :mod:`hora.runner.ssh` ships its
@@ -47,10 +46,16 @@ def share(cores: Sequence[int], local_rank: int, local_size: int) -> tuple[int, 
     return tuple(ordered[start:start + base + (1 if local_rank < extra else 0)])
 
 
+def wanted(mode: str, thread_affinity: str) -> bool:
+    """Whether ranks are bound under ``--cpu-binding`` ``mode``: ``auto``, and no
+    ``HOROVOD_THREAD_AFFINITY`` (``thread_affinity``) placing hora's threads instead."""
+    return mode == "auto" and not thread_affinity.strip()
+
+
 def cores_for(mode: str, thread_affinity: str, local_rank: int,
               local_size: int) -> tuple[int, ...] | None:
     """The cores to bind a rank to on this host under ``--cpu-binding`` ``mode``, or None."""
-    if mode != "auto" or thread_affinity.strip() or not hasattr(os, "sched_setaffinity"):
+    if not wanted(mode, thread_affinity) or not hasattr(os, "sched_setaffinity"):
         return None
     return share(list(os.sched_getaffinity(0)), local_rank, local_size)
 
@@ -89,4 +94,5 @@ def with_binding(cores: Sequence[int] | None, then: Preexec | None) -> Preexec |
     return preexec
 
 
-__all__ = ["BOUND_VAR", "bound_environment", "cores_for", "cpu_list", "share", "with_binding"]
+__all__ = ["BOUND_VAR", "bound_environment", "cores_for", "cpu_list", "share", "wanted",
+           "with_binding"]

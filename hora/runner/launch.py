@@ -205,11 +205,11 @@ def rank_launch(slot: Slot, env: dict[str, str], spec: LaunchSpec, remote: Remot
         cpus = binding.cores_for(mode, affinity, slot.local_rank, slot.local_size)
         return RankLaunch(slot, {**env, **binding.bound_environment(cpus)}, cpus=cpus)
     sent = {k: v for k, v in env.items() if not _NOT_FORWARDED_REMOTE.match(k)}
-    bind = mode == "auto" and not affinity.strip() and slot.local_size > 1
     request = ssh.rank_request(argv=spec.command, env=sent, cwd=os.getcwd(),
                                grace=remote.grace, rank=slot.rank, host=slot.hostname,
                                job_id=env["HORA_JOB_ID"],
-                               cpu_share=(slot.local_rank, slot.local_size) if bind else None)
+                               cpu_share=((slot.local_rank, slot.local_size)
+                                          if binding.wanted(mode, affinity) else None))
     # ssh itself runs with the launcher's own environment (agent socket, PATH), never the
     # secret; HORA_JOB_ID is there because the supervisor reads the job id (for its /dev/shm
     # cleanup) from the first rank's environment, which may be this one.

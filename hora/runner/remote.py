@@ -42,10 +42,10 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 if "with_binding" not in globals():  # imported here; over ssh the loader ran binding's source
     from hora.runner.binding import bound_environment, cores_for, with_binding  # in these globals
-from typing import Any
 
 EXIT_NO_CONNECT_BACK = 3
 EXIT_NO_INTERFACE = 4
