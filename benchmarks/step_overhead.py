@@ -28,8 +28,11 @@ and hora's extra time per step (``hora - nosync``) against ``bare``; then where 
 point goes (Keras, JAX: hora's host call in the compiled step; torch: ``synchronize()`` in
 ``step()``, after backward, the hooks' allreduces having started during it): its duration on
 rank 0, how long the earlier rank waited for the later one to get there, and the time from the
-later arrival to the first exit; torch also the time its backward hooks spend running the large
-gradients' allreduces themselves (those of 1 MiB and more, without overlap). Step times are
+later arrival to the first exit, and rank 0's step before and after it (from the step's start
+to the sync point's entry, from its exit to the step's end: what the step costs around the
+sync point, to set against ``nosync``'s whole step); torch also the time its backward hooks
+spend running the large gradients' allreduces themselves (those of 1 MiB and more, without
+overlap). Step times are
 rank 0's, from the end of a phase's first step to the end of its last (the first absorbs the
 ranks' drift from the previous phase).
 """
@@ -214,6 +217,8 @@ def _jax(args: argparse.Namespace) -> tuple[dict[str, Runner], list[tuple[int, .
 CALLS: list[tuple[float, float]] = []
 """(entry, exit) of hora's host call (Keras, JAX) or of ``synchronize()`` (torch) during the
 measured hora phases."""
+BOUNDS: list[list[float]] = []
+"""The measured hora phases' step boundaries: each phase's start, then each step's end."""
 INLINE: list[tuple[float, float]] = []
 """torch: (entry, exit) of each allreduce a backward hook runs itself (large gradients)."""
 _TIMING = [False]
@@ -261,7 +266,10 @@ def worker(args: argparse.Namespace) -> None:
     def phase(variant: str, steps: int, timed: bool = False) -> float:
         hora.barrier()
         _TIMING[0] = timed and variant == "hora"
+        start = time.perf_counter()
         stamps = runners[variant](steps)
+        if _TIMING[0]:
+            BOUNDS.append([start, *stamps])
         _TIMING[0] = False
         return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
@@ -331,6 +339,12 @@ def _breakdown(framework: str, stamps: list[list[tuple[float, float]]]) -> None:
         1e3 * (max(e for e, _ in s) - min(e for e, _ in s)) for s in steps]))
     print(line("from the later entry to the first exit", [
         1e3 * (min(x for _, x in s) - max(e for e, _ in s)) for s in steps]), flush=True)
+    ends = [(b[i], b[i + 1]) for b in BOUNDS for i in range(len(b) - 1)]
+    if len(ends) == len(steps):  # one sync point a step: the step around it, rank 0
+        print(line("rank 0's step before it", [1e3 * (e - a) for (a, _), (e, _) in
+                                                zip(ends, stamps[0])]))
+        print(line("rank 0's step after it", [1e3 * (b - x) for (_, b), (_, x) in
+                                               zip(ends, stamps[0])]), flush=True)
     if INLINE:  # torch: the hooks' own allreduces, before synchronize()
         print(f"  allreduces run in backward hooks (gradients of 1 MiB and more) on rank 0: "
               f"{len(INLINE) / len(steps):.1f} per step, "
