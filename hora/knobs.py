@@ -243,7 +243,9 @@ KNOBS: tuple[Knob, ...] = (
        "when every local rank gets a whole core and no thread affinity is set, so that the "
        "frameworks size their thread pools to that share and ranks do not take each other's "
        "cores (as mpirun binds by default); 'none': ranks run on every core the launcher "
-       "may use. Elastic jobs and mpirun's ranks are not bound by hora.",
+       "may use. An elastic worker is bound to its slot's share of its host's cores (the "
+       "host's slot count as discovery gave it when the host's first bound worker started); "
+       "mpirun's ranks are not bound by hora.",
        alias=False, choices=("auto", "none")),
     _k("mpi_threads_disable", bool, False, "--mpi-threads-disable",
        "Horovod: ask MPI for MPI_THREAD_SINGLE. hora never initialises MPI, so neither thread "

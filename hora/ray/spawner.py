@@ -141,7 +141,9 @@ class RaySpawner:
             return interface_address(self.nics[0])
         return str(ray.util.get_node_ip_address())
 
-    def start(self, wid: int, host: str, env: Mapping[str, str]) -> RayWorker:
+    def start(self, wid: int, host: str, env: Mapping[str, str],
+              place: tuple[int, int] | None = None) -> RayWorker:
+        del place  # Ray gives each actor its CPUs (num_cpus)
         try:
             if self._broken:
                 raise SpawnError(f"hora.ray: cannot start worker {wid}: {self._broken}", 1)

@@ -13,9 +13,14 @@ Ranks on other hosts are bound the same way by hora's agent there (:mod:`hora.ru
 with that host's cores: this module is standard-library only, and :mod:`hora.runner.ssh` ships its
 source with the agent's.
 
+An elastic worker's place is its slot on its host instead (slot ``i`` of the ``n`` that discovery
+lists there): its rank changes from one generation to the next, its slot does not
+(:class:`hora.runner.elastic.members.Places`).
+
 Not bound: a single local rank (it has every core anyway), more local ranks than cores, a job
-that sets ``HOROVOD_THREAD_AFFINITY`` (its cores are the user's choice), elastic jobs (a worker's
-host share changes as workers come and go) and ranks that ``mpirun`` starts.
+that sets ``HOROVOD_THREAD_AFFINITY`` (its cores are the user's choice), an elastic worker
+started while its host's slot count differs from the one its live workers were bound by, and
+ranks that ``mpirun`` starts.
 
 The mask is set in the child between fork and exec (``preexec_fn``), before the program starts a
 thread; every thread and process it starts inherits it. The rank gets

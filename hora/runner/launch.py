@@ -194,22 +194,24 @@ def _check_remote_hosts(remote: Remote, address: str, config: Config,
 
 
 def rank_launch(slot: Slot, env: dict[str, str], spec: LaunchSpec, remote: Remote,
-                 gate: ssh.StartGate, config: Config | None = None) -> RankLaunch:
+                 gate: ssh.StartGate, config: Config | None = None,
+                 place: tuple[int, int] | None = None) -> RankLaunch:
     """A local rank runs ``spec.command`` with ``env``; a remote one runs ssh, and ``env`` (less
     what Horovod never forwards to other hosts) goes over ssh's stdin. With ``config`` the rank
     is bound to its share of its host's cores as ``--cpu-binding`` says
-    (:mod:`hora.runner.binding`; on another host hora's agent there binds it)."""
+    (:mod:`hora.runner.binding`; on another host hora's agent there binds it): the share of
+    ``place`` (slot, slots on the host: an elastic worker's), by default of its local rank."""
     mode = config.cpu_binding if config is not None else "none"
     affinity = config.thread_affinity if config is not None else ""
+    where = place if place is not None else (slot.local_rank, slot.local_size)
     if slot.hostname not in remote.hosts:
-        cpus = binding.cores_for(mode, affinity, slot.local_rank, slot.local_size)
+        cpus = binding.cores_for(mode, affinity, *where)
         return RankLaunch(slot, {**env, **binding.bound_environment(cpus)}, cpus=cpus)
     sent = {k: v for k, v in env.items() if not _NOT_FORWARDED_REMOTE.match(k)}
     request = ssh.rank_request(argv=spec.command, env=sent, cwd=os.getcwd(),
                                grace=remote.grace, rank=slot.rank, host=slot.hostname,
                                job_id=env["HORA_JOB_ID"],
-                               cpu_share=((slot.local_rank, slot.local_size)
-                                          if binding.wanted(mode, affinity) else None))
+                               cpu_share=where if binding.wanted(mode, affinity) else None)
     # ssh itself runs with the launcher's own environment (agent socket, PATH), never the
     # secret; HORA_JOB_ID is there because the supervisor reads the job id (for its /dev/shm
     # cleanup) from the first rank's environment, which may be this one.

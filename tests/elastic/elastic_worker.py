@@ -12,7 +12,8 @@ Environment:
     at start; EW_PIDS: a directory where each worker writes ``pid.<id>`` (``<pid>.``).
 
 Each worker appends the steps it completed to ``EW_LOG/worker.<id>`` (one line per step: the
-step, the world size and the wall-clock time) and prints one JSON line at the end.
+step, the world size and the wall-clock time) and prints one JSON line at the end (with the cores
+it runs on and the ``HORA_BOUND_CPUS`` it was given).
 """
 
 from __future__ import annotations
@@ -87,5 +88,7 @@ def train(state: State) -> None:
 
 train(state)
 print(json.dumps({"wid": WID, "rank": hora.rank(), "size": hora.size(), "step": state.step,
-                  "samples": state.samples, "w": state.w.tolist(), "sizes": state.sizes}),
+                  "samples": state.samples, "w": state.w.tolist(), "sizes": state.sizes,
+                  "cpus": sorted(os.sched_getaffinity(0)),
+                  "bound": os.environ.get("HORA_BOUND_CPUS")}),
       flush=True)

@@ -47,7 +47,7 @@ from hora.runner.elastic.discovery import describe
 from hora.runner.elastic.generations import Generations
 from hora.runner.elastic.hostpolicy import HostPolicy
 from hora.runner.elastic.lost import LostReports
-from hora.runner.elastic.members import Member, summary
+from hora.runner.elastic.members import Member, Places, summary
 from hora.runner.elastic.options import DEFAULT_ELASTIC_TIMEOUT_S, ElasticOptions
 from hora.runner.elastic.poller import DiscoveryPoller
 from hora.runner.elastic.spawner import ProcessSpawner, Spawner, SpawnError
@@ -108,6 +108,7 @@ class ElasticDriver(Generations):
         self._late_failures: list[Member] = []
         self._running: list[Member] = []  # the members of the running generation when formed
         self._lost = LostReports()
+        self._places = Places()  # which slot of its host each worker holds (CPU binding)
 
     def on_signal(self, signum: int) -> None:
         self._interrupt = signum
@@ -219,19 +220,21 @@ class ElasticDriver(Generations):
                 continue
             free = slots - sum(1 for m in live if m.host == host)
             while free > 0 and room > 0:
-                self._start(host)
+                self._start(host, slots)
                 free -= 1
                 room -= 1
 
-    def _start(self, host: str) -> None:
+    def _start(self, host: str, slots: int) -> None:
         wid = self._next_wid
         self._next_wid += 1
         env = {**self._env, proto.WORKER_ID_VAR: str(wid), "HORA_HOSTNAME": host,
                "HOROVOD_HOSTNAME": host}
-        member = Member(wid=wid, host=host, started=time.monotonic())
+        place = self._places.take(self.members.values(), host, slots)
+        member = Member(wid=wid, host=host, started=time.monotonic(),
+                        place=None if place is None else place[0])
         self.members[wid] = member
         try:
-            member.process = self.spawner.start(wid, host, env)
+            member.process = self.spawner.start(wid, host, env, place)
         except SpawnError as exc:
             self.console.say(exc.message)
             self._exits.put((wid, exc.status))

@@ -13,7 +13,7 @@ oldest surviving worker, newcomers come last.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,8 @@ class Member:
         rank: its rank in the generation it is a member of now (None: not a member).
         lost: why the driver dropped it as hung (its peers named it lost and it did not rejoin),
             or None.
+        place: the slot of its host it holds, whose share of the host's cores it is bound to
+            (``--cpu-binding``), or None (not bound).
     """
 
     wid: int
@@ -53,6 +55,7 @@ class Member:
     leaving: str | None = None
     rank: int | None = None
     lost: str | None = None
+    place: int | None = None
 
     @property
     def alive(self) -> bool:
@@ -93,9 +96,32 @@ def form_generation(members: Sequence[Member], generation: int) -> dict[int, Ass
             for m, s in zip(ordered, slots, strict=True)}
 
 
+class Places:
+    """Which slot of its host a new worker takes, for ``--cpu-binding``: slot ``i`` of the
+    host's ``n`` runs on the ``i``-th of ``n`` shares of the host's cores
+    (:mod:`hora.runner.binding`). A worker keeps its slot for life (its rank changes from one
+    generation to the next); a replacement takes the lowest free one."""
+
+    def __init__(self) -> None:
+        self._cut: dict[str, int] = {}  # per host: the slot count its live workers were bound by
+
+    def take(self, members: Iterable[Member], host: str, slots: int) -> tuple[int, int] | None:
+        """(slot, slots) for a new worker on ``host``, which discovery lists with ``slots``
+        slots now, or None: do not bind it. The host's cut stays while a worker bound by it
+        lives, so that shares never overlap: a worker started while discovery gives the host
+        another slot count, or while every slot is held (a worker told to leave has not ended
+        yet), is not bound."""
+        held = {m.place for m in members if m.alive and m.host == host and m.place is not None}
+        cut = self._cut.get(host, slots) if held else slots
+        self._cut[host] = cut
+        if cut != slots:
+            return None
+        return next(((i, cut) for i in range(cut) if i not in held), None)
+
+
 def summary(members: Sequence[Member]) -> str:
     """``"worker 0 on a, worker 3 on b"`` (or ``"none"``)."""
     return ", ".join(m.describe() for m in members) or "none"
 
 
-__all__ = ["Member", "age", "form_generation", "rank_order", "summary"]
+__all__ = ["Member", "Places", "age", "form_generation", "rank_order", "summary"]

@@ -74,9 +74,13 @@ class Spawner(Protocol):
         worker can reach)."""
         ...
 
-    def start(self, wid: int, host: str, env: Mapping[str, str]) -> Any:
+    def start(self, wid: int, host: str, env: Mapping[str, str],
+              place: tuple[int, int] | None = None) -> Any:
         """Start worker ``wid`` on ``host`` with ``env`` (its whole hora environment: identity,
-        store, secret); returns the handle :meth:`stop` and :meth:`close` take.
+        store, secret); returns the handle :meth:`stop` and :meth:`close` take. ``place``:
+        (slot, slots) on ``host``: bind the worker to that slot's share of the host's cores as
+        ``--cpu-binding`` says (a spawner whose workers get their cores otherwise, as Ray's,
+        ignores it); None: do not bind it.
 
         Raises:
             SpawnError: it could not be started (the driver counts it as a failed worker).
@@ -120,13 +124,14 @@ class ProcessSpawner:
         self.spec, self.size, self.console = spec, size, console
         self._exits: queue.Queue[tuple[int, int]] | None = None
         self._job_id = ""
+        self._config: Config | None = None
         self._gate: ssh.StartGate | None = None
         self._errors = SameErrorOnce(console)  # the workers' last error blocks
 
     def open(self, first: Mapping[str, int], config: Config,
              exits: queue.Queue[tuple[int, int]], job_id: str) -> str:
         spec = self.spec
-        self._exits, self._job_id = exits, job_id
+        self._exits, self._job_id, self._config = exits, job_id, config
         self._remote = launch_mod.Remote(
             hosts=tuple(h for h in first if not is_local_host(h)),
             options=ssh.SshOptions(spec.ssh_port, spec.ssh_identity_file,
@@ -135,13 +140,15 @@ class ProcessSpawner:
         self._gate = ssh.StartGate(timeout=self._remote.options.connect_timeout + 5.0)
         return launch_mod.store_address(self._remote, config).address
 
-    def start(self, wid: int, host: str, env: Mapping[str, str]) -> Any:
+    def start(self, wid: int, host: str, env: Mapping[str, str],
+              place: tuple[int, int] | None = None) -> Any:
         assert self._exits is not None and self._gate is not None, "open() first"
         slot = Slot(rank=wid, size=0, hostname=host, local_rank=0, local_size=0, cross_rank=0,
                     cross_size=0)
         if not is_local_host(host) and host not in self._remote.hosts:
             self._remote = dataclasses.replace(self._remote, hosts=(*self._remote.hosts, host))
-        launch = launch_mod.rank_launch(slot, dict(env), self.spec, self._remote, self._gate)
+        launch = launch_mod.rank_launch(slot, dict(env), self.spec, self._remote, self._gate,
+                                        self._config, place=place)
         try:
             return processes.spawn(
                 self.spec.command, launch, wid, size=self.size, exits=self._exits,
