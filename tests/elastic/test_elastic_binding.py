@@ -3,6 +3,7 @@ new worker takes, and a real elastic job whose killed worker's replacement takes
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from hora.runner import binding
 from hora.runner.elastic.members import Member, Places
 
-from .test_elastic_jobs import elastic_job
+from .test_elastic_jobs import WORKER, elastic_job
 
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
@@ -62,3 +63,28 @@ def test_elastic_workers_are_not_bound_with_none() -> None:
     assert result.rc == 0, result.err[-3000:]
     for wid, data in result.json_lines("wid").items():
         assert (data["cpus"], data["bound"]) == (CORES, None), wid
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to bind two workers apart")
+def test_workers_on_another_host_are_bound_by_the_agent_there(tmp_path: Path) -> None:
+    from runner.helpers import PY, Launcher, clean_env, fake_ssh_path
+    from runner.test_ssh_launch import PRELUDE
+
+    # "fake1" is reached through the fake ssh (this machine, through hora's agent)
+    prelude = PRELUDE.replace("GRACE_S", "0.0").replace(
+        "from hora.runner.cli import main", "import hora.runner.elastic.spawner as spawner\n"
+        "spawner.is_local_host = launch.is_local_host\nfrom hora.runner.cli import main")
+    argv = [PY, "-c", prelude, "run", "-np", "2", "--min-np", "2", "-H", "fake1:2", PY,
+            str(WORKER)]
+    log = tmp_path / "ssh.log"
+    with Launcher(argv=argv, env=clean_env(PATH=fake_ssh_path(tmp_path), EW_STEPS="10",
+                                           FAKE_SSH_LOG=str(log)), cwd=tmp_path) as job:
+        result = job.wait(60)
+    assert result.rc == 0, result.err[-3000:]
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sum("fake1" in argv and "hora-rank=" in argv[-1] for argv in calls) == 2, calls
+    done = result.json_lines("wid")
+    assert sorted(done) == [0, 1]
+    shares = sorted(tuple(d["cpus"]) for d in done.values())
+    assert shares == sorted(binding.share(CORES, i, 2) or () for i in (0, 1)), done
+    assert all(d["bound"] == binding.cpu_list(d["cpus"]) for d in done.values())
