@@ -125,6 +125,10 @@ class _TorchBridge:
 
     def written(self, host: _sp.TensorView, out: Any) -> torch.Tensor:
         tensor: torch.Tensor = host.tensor
+        if type(host.array) is np.ndarray and tensor.is_cpu:  # reduced in its own memory
+            if _increment_version is not None:  # autograd sees the in-place change
+                _increment_version(tensor)
+            return tensor
         with torch.no_grad():
             if isinstance(host.array, DeviceBuffer):  # reduced where it lives
                 if host.array.native.data_ptr() != tensor.data_ptr():  # a contiguous copy

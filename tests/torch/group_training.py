@@ -151,6 +151,42 @@ def inline_hooks(hvd: Any, f: Any) -> None:
     _same_everywhere(hvd, model)
 
 
+def deferred_gradients_one_unit(hvd: Any, f: Any) -> None:
+    """Without overlap, ``synchronize()`` submits the gradients no hook started as one unit of
+    single ops (one fused collective in a fast lane), each under its parameter's name, largest
+    first; a sparse gradient goes on its own. The result is the plain average."""
+    from hora.core.frontend import grouped
+
+    units: list[list[str]] = []
+    submit = grouped.allreduce_unit_async
+
+    def recording(tensors: Any, names: Any, **kwargs: Any) -> Any:
+        units.append(list(names))
+        return submit(tensors, names, **kwargs)
+
+    grouped.allreduce_unit_async = recording  # type: ignore[assignment]
+    try:
+        model = _model()
+        embedding = nn.Embedding(6, 2, sparse=True).double()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(list(model.parameters()) + list(embedding.parameters()), lr=0.1),
+            named_parameters=[*model.named_parameters(), ("emb", embedding.weight)])
+        x, y = _batch()
+        loss = nn.functional.mse_loss(model(_mine(hvd, x)), _mine(hvd, y))
+        (loss + embedding(torch.tensor([hvd.rank()])).sum()).backward()
+        local = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.synchronize()
+    finally:
+        grouped.allreduce_unit_async = submit  # type: ignore[assignment]
+    assert units == [["0.weight", "2.weight", "0.bias", "2.bias"]], units  # 40, 24, 8, 3
+    for name, p in model.named_parameters():
+        want = hvd.allreduce(local[name], name=f"check.{name}")
+        assert torch.allclose(p.grad, want, **F64), name
+    assert embedding.weight.grad.is_sparse
+    with opt.skip_synchronize():
+        opt.step()
+
+
 def wrapped_class_and_overlap(hvd: Any, f: Any) -> None:
     """The wrapper is an SGD; allreduces of the last layer start while backward is still
     computing the first layer's gradients (with a core to spare for them), or are only noted
@@ -415,6 +451,7 @@ def cases() -> list[tuple[str, Any]]:
         ("fp16_compression_deferred", _forced(False, _equivalence(
             _sgd, torch.float32, {"rtol": 2e-3, "atol": 2e-3},
             compression=hvd_module.Compression.fp16))),
+        ("deferred_gradients_one_unit", _inlined(1 << 40, deferred_gradients_one_unit)),
         ("inline_hooks", _inlined(1 << 40, inline_hooks)),
         ("sgd_momentum_float64_inline", _inlined(0, _equivalence(_sgd, torch.float64, F64))),
         ("adam_float32_inline_on_one_rank_only", _inlined([0, 1 << 40], _equivalence(

@@ -150,6 +150,28 @@ def _grouped_allreduce(bridge: Bridge, inplace: bool, sync: bool, tensors: Seque
     return h, _many(bridge, hosts, inplace)
 
 
+def allreduce_unit(bridge: Bridge, sync: bool, tensors: Sequence[Any], names: Sequence[str],
+                   op: int, prescale_factor: float, postscale_factor: float,
+                   process_set: ProcessSet) -> list[tuple[Handle, Convert]]:
+    """In-place allreduces of host ``tensors``, each under its own name (as single ops:
+    negotiated, named and reported one by one), submitted together as one unit
+    (:func:`~hora.core.frontend.grouped.allreduce_unit_async`: in a fast lane one fused
+    collective where it fits): an adapter's pending gradients of one step. Per tensor, its
+    handle and the conversion of its result.
+
+    Raises:
+        ValueError: a tensor the adapter refuses, or one that is not in host memory.
+    """
+    hosts = [bridge.host(t, REDUCE) for t in tensors]
+    if any(h.device != "cpu" for h in hosts):
+        raise ValueError("allreduce_unit: host tensors only")
+    handles = grouped.allreduce_unit_async([h.array for h in hosts], names, op=op,
+                                           prescale_factor=prescale_factor,
+                                           postscale_factor=postscale_factor,
+                                           process_set=process_set, inplace=True, sync=sync)
+    return [(h, _one(bridge, host, True)) for h, host in zip(handles, hosts)]
+
+
 def _allgather_proto(tensor: Any, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> None: ...
 
@@ -319,4 +341,4 @@ def spell(bridge: Bridge, family: OpForm, public: str, *, inplace: bool, wait: b
 
 __all__ = ["ALLGATHER", "ALLREDUCE", "ALLTOALL", "BROADCAST", "GROUPED_ALLGATHER",
            "GROUPED_ALLREDUCE", "GROUPED_REDUCESCATTER", "MOVE", "REDUCE", "REDUCESCATTER",
-           "Bridge", "OpForm", "TensorView", "register", "run", "spell"]
+           "Bridge", "OpForm", "TensorView", "allreduce_unit", "register", "run", "spell"]
