@@ -225,23 +225,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _launch_unit(self, params: list[torch.Tensor], sync: bool) -> None:
         """Start the allreduces of ``params`` that no hook started (without overlap: every
-        gradient below :data:`INLINE_BYTES`), each under its own name as a single op, the
-        dense CPU ones submitted as one unit (one fused collective in a fast lane; measured in
-        docs/benchmarks.md: 100 small gradients 1.6 -> ~0.6 ms), largest first, as every rank
-        orders them alike (where the fused op is split at the fusion limit, the small ones
-        share one collective)."""
-        unit: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
+        gradient below :data:`INLINE_BYTES`), each under its own name as a single op; two or
+        more dense CPU ones are submitted as one unit (one fused collective in a fast lane),
+        largest first, so that every rank orders them alike and, where the fused op is split at
+        the fusion limit, the small ones share one collective."""
+        dense = dict.fromkeys(p for p in params if self.op is not ReduceOp.Adasum
+                              and not self._grad(p).is_sparse
+                              and self._grad(p).device.type == "cpu")
+        if len(dense) < 2:
+            dense = {}
         for p in params:
-            grad = self._grad(p)
-            if grad.is_sparse or grad.device.type != "cpu" or self.op is ReduceOp.Adasum:
+            if p not in dense:  # (tensors hash by identity)
                 self._handles[p] = self._allreduce_grad_async(p, sync)
-            else:
-                compressed, ctx = self._compression.compress(grad)
-                unit.append((p, compressed, ctx))
-        if len(unit) < 2:
-            for p, _, _ in unit:
-                self._handles[p] = self._allreduce_grad_async(p, sync)
+        if not dense:
             return
+        unit = [(p, *self._compression.compress(self._grad(p))) for p in dense]
         unit.sort(key=lambda item: -item[1].nelement() * item[1].element_size())
         pre, post = distopt.scale_factors(self.op, self.gradient_predivide_factor)
         started = _sp.allreduce_unit(ops.TORCH, sync, [c for _, c, _ in unit],
